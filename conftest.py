@@ -1,0 +1,5 @@
+"""Lets tests import the stage files (model.py, train.py, ...) from the repository root."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

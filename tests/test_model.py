@@ -1,0 +1,226 @@
+"""model.py against independent references: transformers' afmoe, brute-force masks, a per-expert loop."""
+
+import math
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint import from_hf_state_dict, to_hf_state_dict
+from model import PRESETS, GroupedExperts, ModelConfig, Transformer, make_mask, meta_model
+
+
+def small_cfg(**kw):
+    base = dict(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=96, n_heads=4, n_kv_heads=2,
+                head_dim=16, window=8, max_seq_len=64, n_experts=16, n_shared_experts=1, top_k=4,
+                route_scale=2.448, expert_hidden=32, init_std=0.05, aux_loss_coef=0.0, z_loss_coef=0.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def randomise_(model, generator, scale=0.1):
+    """Random values for every parameter and buffer (transformers' init zeroes the router and the bias)."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.dtype.is_floating_point and "inv_freq" not in name:
+                t.copy_(torch.randn(t.shape, generator=generator) * scale + (1.0 if "norm" in name else 0.0))
+
+
+def hf_model(cfg):
+    transformers = pytest.importorskip("transformers")  # a requirement: CI installs it, so this never skips there
+    hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("model_type",
+                                                                                            "architectures")})
+    hf_cfg._attn_implementation = "eager"
+    return transformers.AfmoeForCausalLM(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_shared_experts=2, n_kv_heads=4, n_dense_layers=2),
+                                dict(mup=False, n_layers=5, top_k=2)])
+def test_logits_match_transformers_from_hf(kw):
+    cfg = small_cfg(**kw)
+    g = torch.Generator().manual_seed(0)
+    hf = hf_model(cfg)
+    randomise_(hf, g)
+    ours = Transformer(ModelConfig.from_hf(hf.config.to_dict())).eval()
+    assert replace(ours.cfg, aux_loss_coef=0.0, z_loss_coef=0.0) == cfg  # training-only knobs are not in HF
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=g)  # 40 > window 8: the window matters
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_logits_match_transformers_to_hf():
+    cfg = small_cfg()
+    g = torch.Generator().manual_seed(1)
+    ours = Transformer(cfg).eval()
+    randomise_(ours, g)
+    hf = hf_model(cfg)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_config_round_trip():
+    for cfg in PRESETS.values():
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+# --- experts: grouped GEMM against the per-expert loop
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_grouped_mm_matches_loop(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(8, 32, 16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(8, 32, 32, generator=g) * 0.2)
+        experts.down_proj.copy_(torch.randn(8, 32, 16, generator=g) * 0.2)
+    counts = torch.tensor([5, 0, 3, 9, 0, 1, 12, 2])  # empty experts included
+    x = torch.randn(int(counts.sum()), 32, generator=g)
+    dy = torch.randn(int(counts.sum()), 32, generator=g)
+    results = []
+    for impl in ("grouped", "loop"):
+        experts.impl = impl
+        xi = x.to(dtype).requires_grad_()
+        y = experts(xi, counts)
+        y.backward(dy.to(dtype))
+        results.append((y.float(), xi.grad.float(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+        experts.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=tol, rtol=tol)
+
+
+# --- attention masks against a brute-force loop
+
+def brute_force_mask(T, window, doc_ids_BT):
+    B = doc_ids_BT.shape[0]
+    keep = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    for b in range(B):
+        for q in range(T):
+            for k in range(T):
+                keep[b, 0, q, k] = (k <= q and (window is None or k > q - window)
+                                    and doc_ids_BT[b, q] == doc_ids_BT[b, k])
+    return keep
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+def test_mask_matches_brute_force(window):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 4, (3, 20), generator=g)
+    doc_ids = torch.cumsum(tokens == 0, dim=1) - (tokens == 0).long()  # EOT (0) belongs to the document it ends
+    assert torch.equal(make_mask(20, window, doc_ids, torch.device("cpu")), brute_force_mask(20, window, doc_ids))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_flex_block_mask_matches_sdpa_path(window):
+    """The CUDA path (flex attention + BlockMask) and the CPU path (SDPA + boolean mask) compute the same thing.
+    Flex runs here uncompiled, forward only (it has no CPU backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    g = torch.Generator().manual_seed(0)
+    B, H, G, T, Dh = 2, 4, 2, 256, 16
+    q, k, v = (torch.randn(B, n, T, Dh, generator=g) for n in (H, G, G))
+    doc_ids = torch.randint(0, 5, (B, T), generator=g).sort(-1).values
+    cpu = torch.device("cpu")
+    block_mask = make_mask(T, window, doc_ids, cpu, flex=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "called without torch.compile": expected on CPU
+        out_flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(T, window, doc_ids, cpu), enable_gqa=True)
+    assert (out_flex - out_sdpa).abs().max() < 1e-5
+
+
+def test_document_mask_isolates_documents():
+    """Changing one document's tokens must not change another document's logits."""
+    cfg = small_cfg()
+    model = Transformer(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, cfg.vocab_size, (1, 24), generator=g)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14])
+    changed = tokens.clone()
+    changed[0, :10] = torch.randint(1, cfg.vocab_size, (10,), generator=g)
+    with torch.no_grad():
+        a, b = model(tokens, doc_ids_BT=doc_ids), model(changed, doc_ids_BT=doc_ids)
+    assert torch.allclose(a[0, 10:], b[0, 10:], atol=1e-5)
+    assert not torch.allclose(a[0, :10], b[0, :10], atol=1e-3)
+
+
+# --- router invariants
+
+def test_router_invariants():
+    cfg = small_cfg()
+    moe = Transformer(cfg).moe_layers()[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, cfg.dim, generator=g)
+    experts, gates, scores, _ = moe.route(x)
+    assert all(len(set(row.tolist())) == cfg.top_k for row in experts)
+    assert torch.allclose(gates.sum(-1), torch.full((50,), cfg.route_scale))
+    # A large bias on expert 3 puts it in every token's top-k, but gate values still come from unbiased scores.
+    with torch.no_grad():
+        moe.expert_bias[3] = 10.0
+    experts_b, gates_b, _, _ = moe.route(x)
+    assert (experts_b == 3).any(-1).all()
+    chosen = scores.gather(-1, experts_b)
+    assert torch.allclose(gates_b, chosen / chosen.sum(-1, keepdim=True) * cfg.route_scale)
+    assert not moe.expert_bias.requires_grad and "ffn.expert_bias" in "".join(Transformer(cfg).state_dict())
+
+
+def test_counts_and_expert_bias_untouched_by_gradients():
+    cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    _, loss = model(tokens, targets_BT=tokens)
+    loss.backward()
+    for moe in model.moe_layers():
+        assert moe.counts_E.sum().item() == 2 * 16 * cfg.top_k
+        assert moe.expert_bias.grad is None and moe.router.weight.grad.abs().sum() > 0
+
+
+# --- construction and counting
+
+def test_meta_construction_then_init_matches_statistics():
+    cfg = small_cfg()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    w = model.layers["1"].ffn.experts.gate_up_proj
+    assert w.abs().max() <= 3 * cfg.init_std + 1e-7 and abs(w.std().item() - cfg.init_std) < 0.2 * cfg.init_std
+    assert torch.allclose(model.layers["0"].attn_post_norm.weight, torch.full((cfg.dim,), 1 / math.sqrt(4)))
+    assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(cfg.dim))
+    assert torch.equal(model.layers["1"].ffn.expert_bias, torch.zeros(cfg.n_experts))
+
+
+def test_preset_counts_match_spec():
+    large = meta_model(PRESETS["large"])
+    n = large.num_params()
+    assert abs(n["total"] / 398.7e9 - 1) < 0.005 and abs(n["active"] / 13.4e9 - 1) < 0.03
+    assert abs(large.flops_per_token(8192) / 99.5e9 - 1) < 0.01
+    mini, nano = meta_model(PRESETS["mini"]).num_params(), meta_model(PRESETS["nano"]).num_params()
+    assert abs(mini["total"] / 26e9 - 1) < 0.05 and abs(mini["active"] / 3e9 - 1) < 0.2
+    assert abs(nano["total"] / 6e9 - 1) < 0.05 and abs(nano["active"] / 1e9 - 1) < 0.1
+
+
+def test_tiny_preset_keeps_the_trinity_structure():
+    cfg = PRESETS["tiny"]
+    assert (cfg.n_experts, cfg.top_k, cfg.n_shared_experts) == (256, 4, 1) and cfg.n_dense_layers >= 1
+    assert [cfg.is_global(i) for i in range(4)] == [False, False, False, True]
+
+
+def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
+    torch.manual_seed(0)
+    cfg = small_cfg(vocab_size=512, aux_loss_coef=1e-4, z_loss_coef=1e-6)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 32))
+    _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5
