@@ -312,13 +312,37 @@ def _grouped_mm(x_ND, w_EDO, offs_E):
     return fn(x_ND, w_EDO, offs=offs_E)
 
 
+def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
+    """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each).
+    gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is [E, D, I]. `impl`: "grouped" (torch grouped GEMM),
+    "loop" (one matmul per expert, the reference) or "auto" (grouped where it runs, else the loop, with a warning)."""
+    if impl == "auto":
+        why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
+        if why_not:
+            _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
+        impl = "loop" if why_not else "grouped"
+    dtype = x_ND.dtype
+    if impl == "loop":
+        outputs = []
+        for e, x_nD in enumerate(torch.split(x_ND, counts_E.tolist())):
+            gate_nI, up_nI = F.linear(x_nD, gate_up_EHD[e].to(dtype)).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_EDI[e].to(dtype)))
+        return torch.cat(outputs)
+    if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
+        x_ND, gate_up_EHD, down_EDI = x_ND.bfloat16(), gate_up_EHD.bfloat16(), down_EDI.bfloat16()
+    else:
+        gate_up_EHD, down_EDI = gate_up_EHD.to(dtype), down_EDI.to(dtype)
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    gate_NI, up_NI = _grouped_mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E).chunk(2, dim=-1)
+    return _grouped_mm(F.silu(gate_NI) * up_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored stacked (HF layout): gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I].
 
-    forward takes tokens already sorted by expert and the count per expert, so the same module serves the local
-    path (model.py) and the expert-parallel path (parallel.py sends each rank the tokens of its experts and calls
-    this on them). `impl` picks the kernel: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the
-    reference) or "auto" (grouped where it runs, else the loop with a warning)."""
+    forward takes tokens already sorted by expert and the count per expert, so the same computation serves the
+    local path here and the expert-parallel path (parallel.py sends each rank the tokens of its experts and runs
+    expert_ffn on its local weights). `impl` picks the kernel, see expert_ffn."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -327,33 +351,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
     def forward(self, x_ND, counts_E):
-        impl = self.impl
-        if impl == "auto":
-            why_not = grouped_mm_supported(x_ND, self.gate_up_proj, self.down_proj)
-            if why_not:
-                _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
-            impl = "loop" if why_not else "grouped"
-        if impl == "loop":
-            return self._loop(x_ND, counts_E)
-        return self._grouped(x_ND, counts_E)
-
-    def _grouped(self, x_ND, counts_E):
-        w_gu, w_down, dtype = self.gate_up_proj, self.down_proj, x_ND.dtype
-        if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
-            x_ND, w_gu, w_down = x_ND.bfloat16(), w_gu.bfloat16(), w_down.bfloat16()
-        else:
-            w_gu, w_down = w_gu.to(dtype), w_down.to(dtype)
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        gate_NI, up_NI = _grouped_mm(x_ND, w_gu.transpose(-2, -1), offs_E).chunk(2, dim=-1)
-        y_ND = _grouped_mm(F.silu(gate_NI) * up_NI, w_down.transpose(-2, -1), offs_E)
-        return y_ND.to(dtype)
-
-    def _loop(self, x_ND, counts_E):
-        outputs = []
-        for e, x_nD in enumerate(torch.split(x_ND, counts_E.tolist())):
-            gate_nI, up_nI = F.linear(x_nD, self.gate_up_proj[e].to(x_nD.dtype)).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate_nI) * up_nI, self.down_proj[e].to(x_nD.dtype)))
-        return torch.cat(outputs)
+        return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl)
 
 
 class MoE(nn.Module):
