@@ -413,6 +413,34 @@ class MoE(nn.Module):
         return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
 
+# --- expert load balancing (SPEC §4): run once per optimizer step on the counts of the whole global batch
+
+def max_vio(counts_E: torch.Tensor) -> float:
+    """The report's balance metric: max_i (n_i - mean n) / mean n."""
+    counts_E = counts_E.float()
+    return ((counts_E.max() - counts_E.mean()) / counts_E.mean().clamp(min=1e-9)).item()
+
+
+@torch.no_grad()
+def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", lam: float = 5e-4,
+                       beta: float = 0.5, kappa: float = 2.0, gamma: float = 1e-3):
+    """Moves the selection bias toward balance, in place. "smebu" (Trinity Large): soft-clamped, re-centred,
+    momentum-smoothed steps v = (mean n - n)/mean n, d = lam * tanh(kappa * v) - mean, m = beta*m + (1-beta)*d,
+    b += m (momentum_E is updated in place). "sign" (DeepSeek-V3): b += gamma * sign(mean n - n), re-centred."""
+    counts_E = counts_E.float()
+    mean = counts_E.mean().clamp(min=1e-9)
+    if rule == "smebu":
+        delta_E = lam * torch.tanh(kappa * (mean - counts_E) / mean)
+        delta_E -= delta_E.mean()
+        momentum_E.mul_(beta).add_((1 - beta) * delta_E)
+        bias_E += momentum_E
+    elif rule == "sign":
+        delta_E = gamma * torch.sign(mean - counts_E)
+        bias_E += delta_E - delta_E.mean()
+    elif rule != "none":
+        raise ValueError(f"unknown balancing rule {rule!r}; use smebu, sign or none")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The transformer
 
@@ -467,8 +495,9 @@ class Transformer(nn.Module):
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
     def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None):
-        """Logits [B, T, V]; with targets also the training loss (mean token cross-entropy plus the MoE balance
-        and z-losses). doc_ids_BT (document index per token) restricts attention to each token's document."""
+        """Logits [B, T, V]; with targets also the mean token cross-entropy. doc_ids_BT (document index per token)
+        restricts attention to each token's document. The MoE balance losses of this forward are in
+        balance_loss()."""
         B, T = tokens_BT.shape
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
@@ -482,12 +511,13 @@ class Transformer(nn.Module):
         logits_BTV = self.head(self.norm(x_BTD))
         if targets_BT is None:
             return logits_BTV
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
-        for moe in self.moe_layers():
-            for extra in (moe.aux_loss, moe.z_loss):
-                if extra is not None:
-                    loss = loss + extra
-        return logits_BTV, loss
+        return logits_BTV, F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+
+    def balance_loss(self):
+        """The sequence-wise auxiliary loss plus the router z-loss of the last forward, summed over MoE layers
+        (each already times its coefficient): add it to the LM loss for training."""
+        terms = [t for moe in self.moe_layers() for t in (moe.aux_loss, moe.z_loss) if t is not None]
+        return sum(terms) if terms else torch.zeros(())
 
     # --- counting (SPEC §1, §7): works on a meta-device model, so `large` is never allocated
 
@@ -536,7 +566,7 @@ if __name__ == "__main__":
         cfg = PRESETS[args.preset]
         model = Transformer(cfg)
         tokens_BT = torch.randint(0, cfg.vocab_size, (2, min(cfg.max_seq_len, 128)))
-        _, loss = model(tokens_BT, targets_BT=tokens_BT)
+        _, loss = model(tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
         print(f"{args.preset}: loss at init {loss.item():.3f} (ln V = {math.log(cfg.vocab_size):.3f})")
     for name, cfg in PRESETS.items():
         m = meta_model(cfg)

@@ -172,7 +172,7 @@ def test_counts_and_expert_bias_untouched_by_gradients():
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     _, loss = model(tokens, targets_BT=tokens)
-    loss.backward()
+    (loss + model.balance_loss()).backward()
     for moe in model.moe_layers():
         assert moe.counts_E.sum().item() == 2 * 16 * cfg.top_k
         assert moe.expert_bias.grad is None and moe.router.weight.grad.abs().sum() > 0
@@ -220,6 +220,7 @@ def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(150):
         _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+        loss = loss + model.balance_loss()
         opt.zero_grad()
         loss.backward()
         opt.step()
