@@ -102,6 +102,8 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
             for folder, dirs, names in os.walk(pattern):
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
                 matches += [os.path.join(folder, n) for n in names if n.endswith(TEXT_SUFFIXES)]
+        elif os.path.isfile(pattern):  # taken as named, whatever its suffix or glob-like characters
+            matches = [pattern]
         else:
             matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         if not matches:
@@ -215,16 +217,16 @@ class _ShardWriter:
         return self.shards
 
     def _write(self, tokens: np.ndarray) -> None:
-        name = f"{self.split}_{len(self.shards):06d}.bin"
-        header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, int(tokens.max()),
+        name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
+        header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,
                              self.tokenizer.encode())
         _write_atomic(os.path.join(self.out_dir, name), [header.ljust(HEADER_BYTES, b"\0"), tokens])
-        self.shards.append({"file": name, "tokens": len(tokens), "max_token": int(tokens.max())})
+        self.shards.append({"file": name, "tokens": len(tokens), "max_token": max_token})
 
 
 class _ShuffleBuffer:
-    """Trinity's random sequential document buffer: documents enter in input order and leave in a seeded random
-    order, so a batch does not hold one source's neighbouring files; a whole corpus that fits is fully shuffled."""
+    """The Trinity report's random sequential document buffer: documents enter in input order and leave in a seeded
+    random order, so a batch is not one source's neighbouring files; a corpus that fits is shuffled globally."""
 
     def __init__(self, writer: _ShardWriter, seed: int):
         self.writer, self.rng, self.docs, self.tokens = writer, np.random.default_rng(seed), [], 0
@@ -266,7 +268,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                    text_field=text_field)
     fingerprint = _fingerprint(files, tokenizer, options)
     with contextlib.suppress(DataError):
-        if (old := load_manifest(out_dir))["fingerprint"] == fingerprint:
+        if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
             return old
 
@@ -293,16 +295,19 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                     n_docs, n_tokens = n_docs + 1, n_tokens + len(doc)
                 done_bytes += nbytes
                 if not quiet:
-                    print(f"\r  {done_bytes / max(total_bytes, 1):6.1%} of input, {n_tokens / 1e6:.2f}M tokens, "
+                    done = done_bytes / max(total_bytes, 1)
+                    print(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
                           f"{time.time() - started:.1f}s", end="", file=sys.stderr, flush=True)
     say()
+    if shuffle_docs:
+        shuffler.close()
     if n_docs == 0:
         raise DataError(f"the {len(files)} input files hold no text, so there is nothing to tokenize; "
                         f"check the inputs (and --text_field for .jsonl/.parquet)")
-    if n_docs == 1:
-        raise DataError("the corpus is a single document, but one is held out for validation and training needs "
-                        "another; add inputs, or split the text into several files or .jsonl lines")
-    shuffler.close()
+    if train.documents == 0:
+        raise DataError(f"all {n_docs} documents were held out for validation (val_fraction={val_fraction}), "
+                        f"leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
+                        f"or lower --val_fraction")
     splits = {"train": train.close(), "val": val.close()}
 
     written = {shard["file"] for shards in splits.values() for shard in shards}
@@ -417,7 +422,7 @@ class DataLoader:
         self.rank, self.world_size, self.seed, self.step = rank, world_size, seed, 0
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
-        if vocab_size is not None and manifest["vocab_size"] > vocab_size:
+        if vocab_size is not None and (manifest["vocab_size"] > vocab_size or max_token >= vocab_size):
             raise DataError(f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} "
                             f"vocabulary of {manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; "
                             f"set vocab_size >= {manifest['vocab_size']} or prepare the data with a smaller tokenizer")

