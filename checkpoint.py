@@ -1,15 +1,57 @@
 """
-Checkpoints: conversion to and from Hugging Face's `afmoe` format.
+Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
-    from checkpoint import from_hf_state_dict, to_hf_state_dict
-    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), cfg), strict=True)
+A checkpoint is written with torch.distributed.checkpoint (DCP): every rank writes its own shards of the model and
+optimizer, keyed by parameter name, and any other layout (another world size, FSDP or not) reads them back. Tensors
+are the only thing DCP stores; everything else is JSON, so loading never unpickles code.
+
+    ckpt_root/step_00000010/
+        .metadata, __0_0.distcp, ...   model and optimizer tensors (DCP, one data file per rank)
+        config.json                    the resolved training config, the model config under "model"
+        state.json                     step, world size, the "train" dict, the optimizer's non-tensor settings
+        rng_00000.json, ...            each rank's RNG states: torch CPU and CUDA, numpy, python
+        COMPLETE                       written last, once every rank has finished writing
+
+A save is written into step_00000010.tmp, and rank 0 renames it after the marker is in place, so a run killed
+mid-save leaves the previous checkpoint as the newest complete one.
+
+    python checkpoint.py ls out/ckpt                         # the checkpoints under a root: step, complete, size
+    python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder
+    python checkpoint.py export out/ckpt/step_00000010 out/hf
+
+    from checkpoint import save, load, latest, export_hf, load_hf
+    wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
+    wait()                                                   # on every rank, before the next save and at exit
+    train_state = load(latest("out/ckpt"), {"model": model, "optim": optim}, config)
+    cfg, state_dict = load_hf("out/hf")                      # our ModelConfig and a state dict for Transformer(cfg)
 """
 
+import argparse
+import base64
+import json
+import os
+import random
 import re
+import shutil
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
-from model import ModelConfig
+from model import ModelConfig, config_fields
+
+# Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+
+# ------------------------------------------------------------------------------------------------------------------
+# Our state-dict names <-> transformers' AfmoeForCausalLM names
 
 # Our name -> transformers' name, per layer ("{}" is the layer index). Everything else is one-to-one below.
 _LAYER_KEYS = {
@@ -62,3 +104,500 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
         t = hf_sd[hf_key]
         out[ours] = t.float() if ours.endswith("expert_bias") else t
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# JSON for the small non-DCP data: exact tensors (raw bytes, base64), tuples and non-string dict keys survive
+
+_TAGS = ("__tensor__", "__tuple__", "__items__")
+
+
+def _encode(obj, where: str):
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "data": base64.b64encode(raw).decode("ascii")}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+            return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    if type(obj).__module__ == "numpy" and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:
+        return obj.item()  # a numpy scalar comes back as the python number
+    raise TypeError(f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store; "
+                    f"use numbers, strings, lists, tuples, dicts or tensors.")
+
+
+def _decode(obj):
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        dtype = getattr(torch, obj["__tensor__"])
+        raw = base64.b64decode(obj["data"])
+        if not raw:
+            return torch.empty(obj["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(obj["shape"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
+    return {k: _decode(v) for k, v in obj.items()}
+
+
+def _config_json(obj):
+    if is_dataclass(obj):
+        return asdict(obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    raise TypeError(f"config value {obj!r} of type {type(obj).__name__} is not JSON; "
+                    f"use numbers, strings, lists or dicts in the training config.")
+
+
+def _write(path: str, text: str):
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(ckpt: str, name: str) -> dict:
+    path = os.path.join(ckpt, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {ckpt} has no {name}; it was not written by this checkpoint.py.")
+    with open(path) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RNG states (saved per rank: each rank draws its own streams)
+
+def rng_state() -> dict:
+    """This process's RNG states: torch CPU, the current CUDA device (if CUDA is in use), numpy, python."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict):
+    """Restore what rng_state() returned."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Saving, finding and loading training checkpoints
+
+MARKER = "COMPLETE"
+_STEP_RE = re.compile(r"step_(\d+)(\.tmp)?")
+# Fields that do not change the weights' shapes or the function they compute: a run may change them on resume.
+_NOT_ARCHITECTURE = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
+
+
+@dataclass
+class _Entry:
+    step: int
+    path: str
+    complete: bool
+    tmp: bool  # a save in progress, or one that was killed
+
+
+def _scan(ckpt_root: str) -> list[_Entry]:
+    """Every step directory under ckpt_root, by step."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    found = []
+    for name in os.listdir(ckpt_root):
+        m = _STEP_RE.fullmatch(name)
+        path = os.path.join(ckpt_root, name)
+        if m and os.path.isdir(path):
+            tmp = m.group(2) is not None
+            found.append(_Entry(int(m.group(1)), path, not tmp and os.path.isfile(os.path.join(path, MARKER)), tmp))
+    return sorted(found, key=lambda e: (e.step, e.tmp))
+
+
+def latest(ckpt_root: str) -> str | None:
+    """The newest complete checkpoint directory under ckpt_root, or None."""
+    complete = [e for e in _scan(ckpt_root) if e.complete]
+    return complete[-1].path if complete else None
+
+
+def _resolve(path: str) -> str:
+    """A complete checkpoint directory: `path` itself, or the newest complete one when `path` is a root."""
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint path {path} does not exist.")
+    if _STEP_RE.fullmatch(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, ".metadata")):
+        newest = latest(os.path.dirname(os.path.normpath(path)))
+        raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "
+                         f"use {newest or 'an earlier, complete checkpoint'} instead.")
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (a step_NNNNNNNN directory with a {MARKER} "
+                                f"file); train with checkpointing on first.")
+    return found
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _model_config(model) -> ModelConfig | None:
+    for m in (model, getattr(model, "_orig_mod", None)):  # torch.compile wraps the module
+        if isinstance(getattr(m, "cfg", None), ModelConfig):
+            return m.cfg
+    return None
+
+
+def _resolved_config(config, model) -> dict:
+    out = asdict(config) if is_dataclass(config) else dict(config or {})
+    m = out.get("model")
+    if isinstance(m, ModelConfig):
+        out["model"] = asdict(m)
+    elif m is None and _model_config(model) is not None:
+        out["model"] = asdict(_model_config(model))
+    elif m is not None and not isinstance(m, dict):
+        raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
+    return out
+
+
+@contextmanager
+def _step_hooks_silenced(optim):
+    """get/set_state_dict take a zero-lr optimizer step to create missing state; step hooks (the expert-bias
+    update, SPEC §4) must not fire on it."""
+    saved = optim._optimizer_step_pre_hooks.copy(), optim._optimizer_step_post_hooks.copy()
+    optim._optimizer_step_pre_hooks.clear()
+    optim._optimizer_step_post_hooks.clear()
+    try:
+        yield
+    finally:
+        optim._optimizer_step_pre_hooks.update(saved[0])
+        optim._optimizer_step_post_hooks.update(saved[1])
+
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
+
+
+def _state_dicts(model, optim) -> tuple[dict, dict]:
+    """({"model": tensors, "optim": tensors} for DCP, the optimizer's non-tensor values), keyed by parameter name
+    whatever the wrapping (FSDP2, torch.compile, activation checkpointing)."""
+    if optim is None:
+        return {"model": get_model_state_dict(model, options=_OPTIONS)}, {}
+    with _step_hooks_silenced(optim):
+        model_sd, optim_sd = get_state_dict(model, optim, options=_OPTIONS)
+    tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
+    return {"model": model_sd, "optim": tensors}, {k: v for k, v in optim_sd.items() if k not in tensors}
+
+
+_async_group_of: list = [None, None]  # (default group, its gloo group for async saves)
+
+
+def _async_group():
+    """A gloo group for async saves: DCP runs its collectives from a background thread, which must not share a
+    group with the training loop's collectives, and needs a CPU backend even when training uses NCCL."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _async_group_of[0] is not dist.group.WORLD:
+        _async_group_of[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _async_group_of[1]
+
+
+_pending: list[Callable[[], None]] = []
+
+
+def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
+         async_save: bool = False) -> Callable[[], None]:
+    """Write checkpoint `ckpt_root/step_{step:08d}`; every rank calls it.
+
+    state: "model" (nn.Module, plain or FSDP2/DTensor), "optim" (optimizer or None), "train" (dict of plain values
+    and tensors, identical on all ranks), "rng" (optional, this rank's rng_state(); taken now when absent).
+    config: the training config (dict or dataclass); config["model"] is the ModelConfig, taken from the model when
+    absent. Keeps the newest `keep` complete checkpoints (keep <= 0 keeps all).
+    async_save: return as soon as the tensors are copied to CPU and write them in the background.
+    Returns a callable that waits for the write and marks the checkpoint complete; every rank must call it before
+    the next save and before exiting (a synchronous save is complete already and the callable does nothing)."""
+    while _pending:  # a forgotten wait() of the previous async save
+        _pending.pop()()
+    rank, world = _rank_world()
+    model, optim = state["model"], state.get("optim")
+    # Bad input fails here, on every rank, before any collective (STYLE 6).
+    config_text = json.dumps(_resolved_config(config, model), indent=2, default=_config_json)
+    rng_text = json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))
+    tensors, optim_rest = _state_dicts(model, optim)
+    state_text = json.dumps({"step": step, "world_size": world, "train": _encode(state.get("train") or {}, "train"),
+                             "optim": _encode(optim_rest, "optimizer state")}, indent=1)
+
+    final = os.path.join(ckpt_root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+        os.makedirs(tmp)
+    _barrier()
+    _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
+    if rank == 0:
+        _write(os.path.join(tmp, "config.json"), config_text)
+        _write(os.path.join(tmp, "state.json"), state_text)
+
+    def commit():
+        _barrier()  # every rank has written all of its files
+        if rank == 0:
+            _write(os.path.join(tmp, MARKER), f"{step}\n")
+            if os.path.isdir(final):  # an earlier save of the same step
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
+            os.fsync(fd)
+            os.close(fd)
+            _prune(ckpt_root, keep, step)
+        _barrier()  # no rank moves on before the checkpoint is complete for all
+
+    if not async_save:
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=world == 1 and not dist.is_initialized())
+        commit()
+        return lambda: None
+    group = _async_group()
+    future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+
+    def wait():
+        if wait in _pending:
+            _pending.remove(wait)
+            future.result()
+            commit()
+
+    _pending.append(wait)
+    return wait
+
+
+def _prune(ckpt_root: str, keep: int, step: int):
+    """Delete complete checkpoints beyond the newest `keep` and the leftovers of killed saves older than `step`;
+    never the checkpoint just written, never a newer save in progress."""
+    entries = _scan(ckpt_root)
+    complete = [e for e in entries if e.complete and e.step != step]
+    doomed = complete[:max(0, len(complete) - (keep - 1))] if keep > 0 else []
+    doomed += [e for e in entries if e.tmp and e.step < step]
+    for e in doomed:
+        shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _architecture_diff(saved: dict, current: dict) -> list[str]:
+    names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in _NOT_ARCHITECTURE]
+    return [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
+            for n in names if saved.get(n) != current.get(n)]
+
+
+def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
+    """Load checkpoint `path` (or the newest complete one under a root) into state["model"] and state["optim"] in
+    place, whatever their current layout; restore this rank's RNG states; return the saved "train" dict (tensors
+    on CPU). Every rank calls it.
+
+    config: when given (the training config dict with "model", or a ModelConfig), a checkpoint saved with another
+    model architecture is refused with the list of differing fields.
+    RNG: rank r restores the states rank r % saved_world_size saved, so the same world size resumes every stream
+    exactly and a single process resumes rank 0's."""
+    path = _resolve(path)
+    rank, world = _rank_world()
+    saved_config = _read_json(path, "config.json")
+    saved_state = _read_json(path, "state.json")
+    model, optim = state["model"], state.get("optim")
+    if config is not None:
+        current = asdict(config) if isinstance(config, ModelConfig) else _resolved_config(config, model).get("model")
+        if current is not None and isinstance(saved_config.get("model"), dict):
+            diff = _architecture_diff(saved_config["model"], current)
+            if diff:
+                raise ValueError(f"checkpoint {path} was saved with a different model architecture "
+                                 f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
+
+    tensors, optim_rest = _state_dicts(model, optim)
+    saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
+    missing = [k for k in wanted if k not in saved_meta]
+    if missing:
+        hint = ("it was saved without optimizer state; pass no optimizer or start a new one"
+                if all(k.startswith("optim.") for k in missing) else "was it saved from another model?")
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this run needs, e.g. "
+                         f"{', '.join(missing[:3])}; {hint}.")
+    wrong = [f"{k} {tuple(saved_meta[k].size)} in the checkpoint vs {tuple(v.shape)} now"
+             for k, v in wanted.items() if tuple(saved_meta[k].size) != tuple(v.shape)]
+    if wrong:
+        raise ValueError(f"checkpoint {path} holds tensors of other shapes ({'; '.join(wrong[:3])}); "
+                         f"resume with the checkpoint's model config.")
+
+    dcp.load(tensors, checkpoint_id=path, no_dist=world == 1 and not dist.is_initialized())
+    if optim is None:
+        set_model_state_dict(model, tensors["model"], options=_OPTIONS)
+    else:
+        saved_rest = _decode(saved_state["optim"])
+        optim_sd = {**tensors["optim"], **{k: saved_rest.get(k, v) for k, v in optim_rest.items()}}
+        with _step_hooks_silenced(optim):
+            set_state_dict(model, optim, model_state_dict=tensors["model"], optim_state_dict=optim_sd,
+                           options=_OPTIONS)
+
+    saved_world = saved_state["world_size"]
+    if saved_world != world and rank == 0:
+        warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
+                      f"rank r resumes the RNG streams of saved rank r % {saved_world}.", stacklevel=2)
+    with open(os.path.join(path, f"rng_{rank % saved_world:05d}.json")) as f:
+        set_rng_state(_decode(json.load(f)))
+    return _decode(saved_state["train"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hugging Face folders: export a checkpoint, import a model to start from
+
+def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> str:
+    """Write a transformers `afmoe` folder (config.json, model.safetensors or numbered shards plus
+    model.safetensors.index.json) from checkpoint `ckpt_path` (or the newest complete one under a root), in one
+    process whatever world size wrote it. Holds one output shard in memory at a time. Returns the checkpoint used."""
+    from safetensors.torch import save_file
+
+    path = _resolve(ckpt_path)
+    saved = _read_json(path, "config.json").get("model")
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json, so it cannot be "
+                         f"exported.")
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in config_fields()})
+    saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = _our_names(cfg)
+    missing = [n for n in names if f"model.{n}" not in saved_meta]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
+                         f"e.g. {', '.join(missing[:3])}.")
+
+    shards, size = [[]], 0
+    for n in names:
+        meta = saved_meta[f"model.{n}"]
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # an earlier export's weights would be mixed in by from_pretrained
+        if name.startswith("model") and ".safetensors" in name:
+            os.remove(os.path.join(out_dir, name))
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        sd = {f"model.{n}": torch.empty(saved_meta[f"model.{n}"].size, dtype=saved_meta[f"model.{n}"].properties.dtype)
+              for n in shard}
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
+        save_file(hf_sd, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(hf_sd, file))
+        total += sum(t.numel() * t.element_size() for t in hf_sd.values())
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
+    dtype = saved_meta["model.embed.weight"].properties.dtype
+    hf_config = {**cfg.to_hf(), "dtype": str(dtype).removeprefix("torch.")}
+    _write(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
+    return path
+
+
+def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
+    """Read a Hugging Face `afmoe` folder: our ModelConfig and a state dict for Transformer(cfg).load_state_dict."""
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model folder.")
+    with open(config_path) as f:
+        hf = json.load(f)
+    if hf.get("model_type") != "afmoe":
+        raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
+                         f"models can be loaded.")
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json.")
+    absent = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+    if absent:
+        raise FileNotFoundError(f"{hf_dir} lacks {len(absent)} weight file(s) its index names, "
+                                f"e.g. {absent[0]}; copy the folder again.")
+    hf_sd = {}
+    for file in files:
+        hf_sd.update(load_file(os.path.join(hf_dir, file)))
+    cfg = ModelConfig.from_hf(hf)
+    return cfg, from_hf_state_dict(hf_sd, cfg)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Command line
+
+def _ls(ckpt_root: str):
+    if not os.path.isdir(ckpt_root):
+        raise FileNotFoundError(f"checkpoint root {ckpt_root} does not exist.")
+    entries = _scan(ckpt_root)
+    if not entries:
+        print(f"no checkpoints under {ckpt_root}")
+        return
+    print(f"{'step':>10}  {'status':<10}  {'size':>10}  path")
+    for e in entries:
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(e.path) for f in fs)
+        status = "complete" if e.complete else "partial" if e.tmp else "incomplete"
+        print(f"{e.step:>10}  {status:<10}  {size / 2**20:>7.1f} MB  {e.path}")
+    print("partial: a save in progress or killed; incomplete: no COMPLETE marker. Only complete ones are loaded.")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export}")
+    p = sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size")
+    p.add_argument("ckpt_root", metavar="CKPT_ROOT")
+    p = sub.add_parser("export", help="write a Hugging Face afmoe folder from a checkpoint")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint directory, or a root (its newest complete one)")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file (default 5 GiB)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "ls":
+            _ls(args.ckpt_root)
+        else:
+            used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30))
+            print(f"exported {used} to {args.out_dir}")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"checkpoint.py: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""checkpoint.py: exact resume, crash safety, pruning, async saves, resharding from 2 FSDP ranks to 1 process,
+and Hugging Face export checked against transformers' afmoe.
+
+    python -m pytest tests/test_checkpoint.py -q
+
+This file is also the worker the multi-process tests launch:
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_checkpoint.py fsdp OUT_DIR
+    python tests/test_checkpoint.py save-loop CKPT_ROOT    # saves forever; the kill test SIGKILLs it mid-save
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import checkpoint
+from checkpoint import export_hf, latest, load, load_hf, save
+from model import ModelConfig, Transformer
+
+# DCP warns on every single-process call; checkpoint.py silences it, pytest's per-test filters bring it back.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=96, n_heads=4, n_kv_heads=2,
+                head_dim=16, window=8, max_seq_len=64, n_experts=16, n_shared_experts=1, top_k=4,
+                route_scale=2.448, expert_hidden=32, init_std=0.05)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def randomise_(model, seed, scale=0.1):
+    """Random values for every parameter and buffer, so no tensor is trivially equal to its init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            t.copy_(torch.randn(t.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0))
+
+
+def train_steps(model, optim, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=g)
+        _, loss = model(tokens, targets_BT=tokens)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
+def make(cfg, seed, lr=1e-2):
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    randomise_(model, seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def draws():
+    """The next value of every RNG a training run uses."""
+    return torch.rand(4), random.random(), np.random.rand(2)
+
+
+def assert_draws_equal(a, b):
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] and np.array_equal(a[2], b[2])
+
+
+def assert_same_model_and_optim(m1, o1, m2, o2):
+    for (name, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(m1.parameters(), o2.param_groups[0]["params"]):
+        s1, s2 = o1.state[p], o2.state[q]
+        assert s1.keys() == s2.keys()
+        for k in s1:
+            assert torch.equal(s1[k], s2[k]), k
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"]
+
+
+def env():
+    return {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+
+
+# --- resume is exact
+
+def test_round_trip_restores_model_optimizer_train_state_and_rng(tmp_path):
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    train_steps(model, optim, 2)
+    train = {"step": 2, "loader": {"shard": 3, "offsets": [5, 7], "done": None}, "lr_sched": {"last_epoch": 2},
+             "smebu_momentum": [torch.randn(cfg.n_experts) for _ in model.moe_layers()],
+             "bf16": torch.randn(3, dtype=torch.bfloat16), "by_rank": {0: (1, 2.5)}, "empty": torch.zeros(0, 2)}
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    save(str(tmp_path), 2, {"model": model, "optim": optim, "train": train}, {"lr": 1e-2, "model": cfg})
+    expected_draws = draws()
+    train_steps(model, optim, 1, seed=1)  # the uninterrupted run's next step
+
+    resumed, resumed_optim = make(cfg, seed=1, lr=5.0)  # other weights, other lr: all must be overwritten
+    got = load(latest(str(tmp_path)), {"model": resumed, "optim": resumed_optim}, {"model": cfg})
+    assert_draws_equal(draws(), expected_draws)
+    assert got.keys() == train.keys()
+    assert got["loader"] == train["loader"] and got["lr_sched"] == train["lr_sched"]
+    assert got["by_rank"] == {0: (1, 2.5)}
+    for a, b in zip(got["smebu_momentum"], train["smebu_momentum"]):
+        assert torch.equal(a, b)
+    assert got["bf16"].dtype == torch.bfloat16 and torch.equal(got["bf16"], train["bf16"])
+    assert got["empty"].shape == (0, 2)
+
+    train_steps(resumed, resumed_optim, 1, seed=1)  # the resumed run takes the same step, bit for bit
+    assert_same_model_and_optim(model, optim, resumed, resumed_optim)
+
+
+def test_bad_train_state_fails_before_writing(tmp_path):
+    model, optim = make(tiny_cfg(), seed=0)
+    with pytest.raises(TypeError, match=r"train\['sampler'\] is of type object"):
+        save(str(tmp_path), 1, {"model": model, "optim": optim, "train": {"sampler": object()}}, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_config_mismatch_lists_the_differing_fields(tmp_path):
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    save(str(tmp_path), 1, {"model": model}, {"model": cfg})
+    other = replace(cfg, n_layers=5, expert_hidden=48, aux_loss_coef=0.5)  # aux_loss_coef is not architecture
+    with pytest.raises(ValueError) as err:
+        load(str(tmp_path), {"model": Transformer(other)}, {"model": other})
+    message = str(err.value)
+    assert "n_layers: 4 in the checkpoint vs 5 now" in message
+    assert "expert_hidden: 32 in the checkpoint vs 48 now" in message
+    assert "aux_loss_coef" not in message and "\n" not in message
+    # Saved without an optimizer: asking for one is a clear error, not a missing-key dump.
+    with pytest.raises(ValueError, match="saved without optimizer state"):
+        load(str(tmp_path), {"model": model, "optim": optim}, {"model": cfg})
+
+
+# --- crash safety and pruning
+
+def test_latest_ignores_incomplete_checkpoints(tmp_path):
+    model, _ = make(tiny_cfg(), seed=0)
+    save(str(tmp_path), 10, {"model": model}, {})
+    (tmp_path / "step_00000020").mkdir()  # written by something, never marked complete
+    (tmp_path / "step_00000020" / ".metadata").write_bytes(b"")
+    (tmp_path / "step_00000030.tmp").mkdir()  # a save killed mid-write
+    (tmp_path / "step_00000030.tmp" / checkpoint.MARKER).write_text("30\n")
+    assert latest(str(tmp_path)) == str(tmp_path / "step_00000010")
+    assert latest(str(tmp_path / "nowhere")) is None
+    with pytest.raises(ValueError, match=r"step_00000020 is incomplete .*use .*step_00000010 instead"):
+        load(str(tmp_path / "step_00000020"), {"model": model})
+
+
+def test_keep_prunes_old_checkpoints_only(tmp_path):
+    model, _ = make(tiny_cfg(), seed=0)
+    (tmp_path / "step_00000000.tmp").mkdir()  # left by a killed save before any of these: garbage
+    (tmp_path / "step_00000009.tmp").mkdir()  # newer than anything saved below: never touched
+    for step in range(1, 5):
+        save(str(tmp_path), step, {"model": model}, {}, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004", "step_00000009.tmp"]
+    save(str(tmp_path), 2, {"model": model}, {}, keep=2)  # a rewound run: the one just written stays
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004", "step_00000009.tmp"]
+
+
+def save_loop(root):
+    """Worker for the kill test: a ~100 MB model saved over and over, every parameter equal to the step."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])
+    for step in range(1, 1000):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        save(root, step, {"model": model}, {"step": step}, keep=0)
+
+
+def test_kill_during_save_leaves_previous_checkpoint_newest(tmp_path):
+    def mid_write(root):
+        """Saves newer than the newest complete one whose DCP data file is being written."""
+        newest = latest(root)
+        found = []
+        for e in checkpoint._scan(root):
+            try:
+                files = os.listdir(e.path)
+            except FileNotFoundError:  # renamed meanwhile: that save completed
+                continue
+            if newest and e.tmp and e.step > int(newest[-8:]) and ".metadata" not in files \
+                    and any(f.endswith(".distcp") for f in files):
+                found.append(e)
+        return found
+
+    for attempt in range(3):  # a kill may land after the data is written; then it proves less, so retry
+        root = str(tmp_path / f"run{attempt}")
+        proc = subprocess.Popen([sys.executable, __file__, "save-loop", root], env=env(), start_new_session=True)
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline and proc.poll() is None and not mid_write(root):
+                time.sleep(0.002)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        partial = mid_write(root)
+        if partial:
+            break
+    assert partial, "the save was never caught mid-write"
+    step = int(latest(root)[-8:])
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])
+    assert load(root, {"model": model}) == {}
+    assert all(torch.all(p == step) for p in model.parameters())
+    # The next save of the killed step replaces its leftovers and completes.
+    save(root, partial[0].step, {"model": model}, {})
+    assert latest(root).endswith(f"step_{partial[0].step:08d}")
+    assert not any(e.tmp for e in checkpoint._scan(root))
+    shutil.rmtree(tmp_path)  # a few hundred MB: do not leave them for pytest's kept temp dirs
+
+
+# --- async saves
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("process_group", [False, True], ids=["no-process-group", "gloo-world-1"])
+def test_async_save_round_trip(tmp_path, process_group):
+    if process_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        cfg = tiny_cfg()
+        model, optim = make(cfg, seed=0)
+        train_steps(model, optim, 1)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        wait = save(str(tmp_path), 1, {"model": model, "optim": optim, "train": {"step": 1}}, {}, async_save=True)
+        expected_draws = draws()
+        with torch.no_grad():  # the loop goes on while the write runs: the checkpoint must not see this
+            for p in model.parameters():
+                p.add_(1.0)
+        assert latest(str(tmp_path)) is None  # complete only once waited for
+        wait()
+        wait()  # a second call is harmless
+        assert latest(str(tmp_path)) == str(tmp_path / "step_00000001")
+        resumed, resumed_optim = make(cfg, seed=1)
+        assert load(str(tmp_path), {"model": resumed, "optim": resumed_optim}) == {"step": 1}
+        assert_draws_equal(draws(), expected_draws)
+        for k, v in resumed.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    finally:
+        if process_group:
+            dist.destroy_process_group()
+
+
+# --- two FSDP ranks -> one plain process
+
+def fsdp_worker(out_dir):
+    """2 gloo ranks: train the tiny model under FSDP2 for a step, save synchronously (step 1) and asynchronously
+    (step 2), reload step 2 into the sharded model, and write the full tensors (gathered without DCP) as the
+    reference the test compares against."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, optim, 1)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t.clone()
+
+    ref = {"model": {k: full(v) for k, v in model.state_dict().items()},
+           "optim": {n: {k: full(v) for k, v in optim.state[p].items()} for n, p in model.named_parameters()}}
+    assert isinstance(model.layers["1"].ffn.experts.gate_up_proj, torch.distributed.tensor.DTensor)
+    train = {"step": 1, "smebu_momentum": torch.arange(4.0)}
+    torch.manual_seed(100 + rank)  # each rank has its own stream
+    save(os.path.join(out_dir, "ckpt"), 1, {"model": model, "optim": optim, "train": train}, {"model": cfg})
+    ref["next_rand"] = torch.rand(4)
+
+    wait = save(os.path.join(out_dir, "ckpt"), 2, {"model": model, "optim": optim, "train": train}, {"model": cfg},
+                async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    wait()
+    assert load(os.path.join(out_dir, "ckpt"), {"model": model, "optim": optim})["step"] == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(full(v), ref["model"][k]), k
+    if rank == 0:
+        torch.save(ref, os.path.join(out_dir, "ref.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_fsdp_ranks_reshard_to_one_process(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "fsdp",
+           str(tmp_path)]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    ckpt = tmp_path / "ckpt" / "step_00000001"
+    assert sorted(p.name for p in ckpt.glob("rng_*.json")) == ["rng_00000.json", "rng_00001.json"]
+    assert (tmp_path / "ckpt" / "step_00000002" / checkpoint.MARKER).exists()
+
+    model, optim = make(tiny_cfg(), seed=1)
+    with pytest.warns(UserWarning, match="written by 2 ranks"):
+        train = load(str(ckpt), {"model": model, "optim": optim})
+    assert torch.equal(torch.rand(4), ref["next_rand"])  # rank 0's stream
+    assert train["step"] == 1 and torch.equal(train["smebu_momentum"], torch.arange(4.0))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref["model"][k]), k
+    for n, p in model.named_parameters():
+        for k, v in optim.state[p].items():
+            assert torch.equal(v, ref["optim"][n][k]), (n, k)
+
+
+# --- Hugging Face export and import
+
+def test_export_loads_in_transformers_with_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    save(str(tmp_path / "ckpt"), 7, {"model": model, "optim": optim}, {"model": cfg})
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=400_000)  # several shards
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["model_type"] == "afmoe"
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))  # > window
+    with torch.no_grad():
+        diff = (model.eval()(tokens) - hf(tokens).logits.float()).abs().max().item()
+    assert diff <= 1e-4
+
+    for out in ("hf", "hf_single"):  # the sharded folder, and one model.safetensors
+        if out == "hf_single":
+            export_hf(str(tmp_path / "ckpt" / "step_00000007"), str(tmp_path / out))
+            assert "model.safetensors" in os.listdir(tmp_path / out)
+        got_cfg, sd = load_hf(str(tmp_path / out))
+        assert replace(got_cfg, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef) == cfg
+        assert sd.keys() == model.state_dict().keys()
+        for k, v in model.state_dict().items():
+            assert torch.equal(sd[k], v), k
+
+
+def test_load_hf_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        load_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cfg().to_hf()))
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        load_hf(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="lacks 1 weight file"):
+        load_hf(str(tmp_path))
+
+
+# --- command line
+
+def test_cli(tmp_path, capsys):
+    model, _ = make(tiny_cfg(), seed=0)
+    save(str(tmp_path / "ckpt"), 3, {"model": model}, {})
+    (tmp_path / "ckpt" / "step_00000004.tmp").mkdir()
+    assert checkpoint.main(["ls", str(tmp_path / "ckpt")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:2] == ["3", "complete"] and lines[2].split()[:2] == ["4", "partial"]
+    assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors")
+
+    run = [sys.executable, os.path.join(REPO, "checkpoint.py")]
+    assert subprocess.run(run + ["--help"], env=env(), capture_output=True).returncode == 0
+    for args, says in [(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")], "does not exist"),
+                       (["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
+                       (["ls", str(tmp_path / "nowhere")], "does not exist")]:
+        if args[0] == "ls":  # the in-process path is the same code; one real subprocess checks the exit status
+            assert checkpoint.main(args) == 2
+            err = capsys.readouterr().err
+        else:
+            result = subprocess.run(run + args, env=env(), capture_output=True, text=True)
+            assert result.returncode == 2
+            err = result.stderr
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+if __name__ == "__main__":
+    {"fsdp": fsdp_worker, "save-loop": save_loop}[sys.argv[1]](sys.argv[2])
