@@ -1,0 +1,79 @@
+"""train.py: the command line, the schedule, and short single-process runs (loss falls, NaN guard, resume)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from conftest import TINY_MODEL_FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_args(corpus_dir, out_dir, *extra):
+    return [f"--data={corpus_dir}", f"--out_dir={out_dir}", "--seq_len=32", "--global_batch=4", "--micro_batch=2",
+            "--log_every=1", "--eval_every=0", "--eval_batches=1", "--sample_tokens=0", "--warmup_steps=2",
+            "--lr=1e-2", *TINY_MODEL_FLAGS, *extra]
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_mistyped_flag_names_the_closest_one():
+    r = subprocess.run([sys.executable, "train.py", "--global_bach=8"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "did you mean --global_batch" in r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--balance=smbu"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "smebu" in r.stderr
+
+
+def test_flags_cover_config_and_model_overrides():
+    tc, overrides = train.parse_args(["--steps=7", "--doc_mask=false", "--n_layers=8", "--compile"])
+    assert tc.steps == 7 and tc.doc_mask is False and tc.compile is True and overrides == {"n_layers": 8}
+    cfg = train.model_config(tc, overrides, vocab_size=100277)
+    assert cfg.vocab_size == 100352 and cfg.n_layers == 8 and cfg.n_experts == 256
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd"])
+def test_lr_schedule_warms_up_then_decays_to_the_floor(decay):
+    tc = train.TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1, decay=decay)
+    lrs = [train.lr_at(s, tc) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))  # never increases after warmup
+    assert lrs[-1] == pytest.approx(0.1, abs=0.02)
+    if decay == "wsd":
+        assert lrs[79] == pytest.approx(1.0)  # constant until the last 20%
+
+
+def test_short_run_loss_falls_and_logs_everything(corpus_dir, tmp_path):
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=30", "--eval_every=15"))
+    result = train.main(tc, overrides)
+    rows = metrics(tmp_path)
+    assert len(rows) == 30 and result["val_loss"] is not None
+    assert sum(r["loss"] for r in rows[-5:]) / 5 < rows[0]["loss"] - 2.0
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "max_vio", "max_vio_layers",
+                "dead_experts_layers", "aux_loss", "z_loss"):
+        assert key in rows[-1]
+    assert "val_loss" in rows[14] and "val_loss" in rows[29]
+    assert abs(rows[0]["lm_loss"] - math.log(100352)) < 0.5
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        assert json.load(f)["model"]["dim"] == 64
+
+
+def test_non_finite_step_is_skipped(corpus_dir, tmp_path):
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1"))
+    train.main(tc, overrides)
+    rows = metrics(tmp_path)
+    assert math.isnan(rows[1]["loss"]) and rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
+
+
+def test_too_many_non_finite_steps_stop_the_run(corpus_dir, tmp_path):
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1",
+                                              "--max_bad_steps=1"))
+    with pytest.raises(RuntimeError, match="non-finite steps in a row, the last at step 2"):
+        train.main(tc, overrides)
