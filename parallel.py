@@ -1,0 +1,413 @@
+"""
+Parallelism for the plain model of model.py: HSDP (FSDP2 groups × replicas) for every parameter, expert parallelism
+(EP) for the routed experts, activation checkpointing and per-block torch.compile, applied to the model in place.
+
+Layout (SPEC §6): one DeviceMesh [dp_replicate, efsdp, ep] with ep innermost, so an EP group is `ep` consecutive
+ranks (one node). Dense parameters are FSDP-sharded over dp_shard = efsdp × ep and replicated over dp_replicate;
+routed experts are split E/ep per EP rank, FSDP-sharded over efsdp and replicated over dp_replicate. Every rank is
+a data-parallel rank: it reads its own slice of the global batch.
+
+    torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
+    python -m pytest tests/test_parallel.py -q                                 # 8 and 2 CPU ranks vs one
+
+    rank, world, device = init_distributed()
+    layout = Layout(world, dp_replicate=2, ep=4)
+    layout.check(model_cfg, global_batch=256, micro_batch=4)   # raises before any collective, on every rank
+    print(layout.describe(model_cfg.n_experts))
+    mesh = build_mesh(layout, device.type)
+    model = build_model(model_cfg, layout, mesh, device, ac="selective", compile=True, param_dtype=torch.bfloat16)
+    ...
+    grad_norm = clip_grad_norm_(model, 1.0)
+    all_reduce_sum_(tokens_per_expert_LE)   # the whole global batch's counts, identical on every rank
+
+Shape letters as in model.py, plus: M (token, expert) pairs on this rank sorted by expert, P peers in the EP group,
+L local experts (E / ep), R tokens received from the EP peers.
+"""
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                     noop_context_fn)
+
+from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn
+
+AC_MODES = ("none", "full", "selective")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Process group
+
+def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
+    collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
+                               f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return rank, world, device
+
+
+def destroy():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks, in place (a no-op in one process). Every rank is a data-parallel rank, so summing the
+    tokens-per-expert counts over all ranks gives the whole global batch's counts (SPEC §4) on every rank."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Layout and mesh
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3", [0, 4, 8] -> "0,4,8", long strided lists shortened."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) > 4:
+        return f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _groups(groups: list[list[int]]) -> str:
+    shown = " ".join(f"[{_ranks(g)}]" for g in groups[:3])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > 3 else "")
+
+
+@dataclass
+class Layout:
+    """How `world` ranks are split: dp_replicate replicas of an FSDP group of dp_shard ranks, each FSDP group made of
+    efsdp = dp_shard / ep expert-parallel groups of ep consecutive ranks."""
+    world: int
+    dp_replicate: int = 1
+    ep: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        return self.world // self.dp_replicate
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard // self.ep
+
+    def check(self, model_cfg: ModelConfig, global_batch: int, micro_batch: int):
+        """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg`
+        on `global_batch` sequences in micro-batches of `micro_batch`. Pure arithmetic, so every rank raises the same
+        error before any collective starts."""
+        W, R, ep, E = self.world, self.dp_replicate, self.ep, model_cfg.n_experts
+        for name, value in (("world", W), ("dp_replicate", R), ("ep", ep), ("global_batch", global_batch),
+                            ("micro_batch", micro_batch)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be a positive integer.")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != W:
+            raise ValueError(f"Layout(world={W}) does not match the {dist.get_world_size()} launched processes; "
+                             f"pass world={dist.get_world_size()}.")
+        if W % R:
+            raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
+                             f"{_divisors(W)}.")
+        S = W // R
+        if S % ep:
+            raise ValueError(f"ep={ep} does not divide dp_shard={S} (world {W} / dp_replicate {R}), so an expert-"
+                             f"parallel group would straddle two FSDP groups; choose ep from {_divisors(S)}.")
+        if E % ep:
+            raise ValueError(f"n_experts={E} is not divisible by ep={ep}; choose ep from "
+                             f"{[d for d in _divisors(S) if E % d == 0]} (divisors of both dp_shard={S} and {E}).")
+        if ep > 1 and model_cfg.n_dense_layers >= model_cfg.n_layers:
+            raise ValueError(f"ep={ep} but the model has no MoE layer (n_dense_layers={model_cfg.n_dense_layers} of "
+                             f"n_layers={model_cfg.n_layers}); use ep=1.")
+        if global_batch % (W * micro_batch):
+            raise ValueError(f"global_batch={global_batch} sequences is not divisible by world {W} x micro_batch "
+                             f"{micro_batch} = {W * micro_batch}; make global_batch a multiple of {W * micro_batch} "
+                             f"or use a micro_batch that divides global_batch / world.")
+
+    def accumulation_steps(self, global_batch: int, micro_batch: int) -> int:
+        return global_batch // (self.world * micro_batch)
+
+    def describe(self, n_experts: int | None = None) -> str:
+        """Which ranks form each FSDP group, replica and EP group, and where the experts live."""
+        W, R, S, F, ep = self.world, self.dp_replicate, self.dp_shard, self.efsdp, self.ep
+        if W == 1:
+            return "1 process: no data or expert parallelism."
+        def rank(r, f, e):  # row-major over [dp_replicate, efsdp, ep], as init_device_mesh lays ranks out
+            return (r * F + f) * ep + e
+        fsdp = [[rank(r, f, e) for f in range(F) for e in range(ep)] for r in range(R)]
+        replicas = [[rank(r, f, e) for r in range(R)] for f in range(F) for e in range(ep)]
+        ep_groups = [[rank(r, f, e) for e in range(ep)] for r in range(R) for f in range(F)]
+        efsdp = [[rank(r, f, e) for f in range(F)] for r in range(R) for e in range(ep)]
+        lines = [f"mesh [dp_replicate={R}, efsdp={F}, ep={ep}] over {W} ranks",
+                 f"  FSDP groups (dense params, dp_shard={S}): {_groups(fsdp)}"]
+        if R > 1:
+            lines.append(f"  replicas (dp_replicate={R}, dense and experts): {_groups(replicas)}")
+        if ep > 1:
+            lines.append(f"  EP groups (ep={ep}, consecutive ranks): {_groups(ep_groups)}")
+        if F > 1:
+            lines.append(f"  expert FSDP groups (efsdp={F}): {_groups(efsdp)}")
+        if n_experts is not None:
+            per_gpu = n_experts / ep / F
+            uneven = "" if per_gpu.is_integer() else " (uneven FSDP shards)"
+            lines.append(f"  routed experts: {n_experts}/{ep} = {n_experts // ep} per EP rank, {per_gpu:g} per GPU"
+                         + uneven)
+        return "\n".join(lines)
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
+    """One mesh [dp_replicate, efsdp, ep] (ep innermost: an EP group is consecutive ranks, one node) plus the
+    flattened dim dp_shard = (efsdp, ep) for the dense parameters. None in one process."""
+    if layout.world == 1:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun "
+                           f"--nproc_per_node={layout.world} (or across nodes) and call init_distributed() first.")
+    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.ep),
+                            mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names] where names include the flattened "dp_shard". torch 2.13 warns that slicing a flattened dim from
+    the root mesh will go away; it works on 2.11-2.13, and one mesh object is simpler to pass around than three."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Expert parallelism
+
+class ExpertParallelExperts(GroupedExperts):
+    """The E/ep experts of this EP rank; forward sends every token to the rank that holds its expert and back.
+
+    The weights are DTensors sharded over the "ep" mesh dim (Shard(0) on the expert dim), so their global shape and
+    state-dict names are those of the plain model's GroupedExperts and torch.distributed.checkpoint can reshard them
+    to any other layout."""
+
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
+        nn.Module.__init__(self)  # not GroupedExperts.__init__: that would allocate all E experts
+        self.impl, self.ep_mesh = experts.impl, ep_mesh
+        ep, me = ep_mesh.size(), ep_mesh.get_local_rank()
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
+            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                         stride=full.stride())
+            setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+
+    def extra_repr(self) -> str:
+        return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
+
+    def forward(self, x_MD, counts_E):
+        group, ep = self.ep_mesh, self.ep_mesh.size()
+        # Dispatch, step 1: counts. Row p of send_counts_PL is what we send to peer p, one count per expert of p;
+        # row p of recv_counts_PL is what peer p sends us, one count per local expert.
+        send_counts_PL = counts_E.view(ep, -1)
+        recv_counts_PL = funcol.all_to_all_single(send_counts_PL.flatten(), None, None, group).view(ep, -1)
+        send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
+        # Dispatch, step 2: tokens (uneven splits; the backward is the reverse all-to-all).
+        x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
+        # They arrive grouped by (peer, local expert); expert_ffn wants them grouped by local expert.
+        L = recv_counts_PL.shape[1]
+        expert_R = torch.arange(L, device=x_MD.device).repeat(ep).repeat_interleave(
+            recv_counts_PL.flatten(), output_size=sum(recv_splits))
+        order_R = torch.argsort(expert_R, stable=True)
+        y_RD = expert_ffn(x_RD[order_R], recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
+                          self.down_proj.to_local(), self.impl)
+        y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
+        # Combine: results return to the ranks the tokens came from, in the order they were sent.
+        return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
+
+
+def apply_ep(model: Transformer, mesh: DeviceMesh):
+    """Split every MoE layer's routed experts over the "ep" mesh dim (E/ep per rank)."""
+    ep_mesh = mesh["ep"]
+    for moe in model.moe_layers():
+        if moe.n_experts % ep_mesh.size():
+            raise ValueError(f"n_experts={moe.n_experts} is not divisible by ep={ep_mesh.size()}.")
+        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# FSDP2
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32):
+    """fully_shard per block and on the root: dense parameters over (dp_replicate, dp_shard), routed experts (their
+    own FSDP unit) over (dp_replicate, efsdp); plain FSDP where dp_replicate is 1."""
+    R, world = mesh["dp_replicate"].size(), mesh.size()
+    dense_mesh = _submesh(mesh, "dp_shard") if R == 1 else _submesh(mesh, "dp_replicate", "dp_shard")
+    expert_mesh = mesh["efsdp"] if R == 1 else mesh["dp_replicate", "efsdp"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        if isinstance(block.ffn, MoE):
+            experts = fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
+            # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens
+            # of all ep peers (the all-to-all backward). Dividing by the world instead gives the global-batch mean,
+            # like the dense parameters (which FSDP averages over all world ranks).
+            experts.set_gradient_divide_factor(float(world))
+            if mesh.device_type == "cpu" and mesh["efsdp"].size() > 1:
+                # A custom factor reduce-scatters with PREMUL_SUM, which gloo lacks: sum, then divide. (Not with a
+                # single-rank efsdp: there torch 2.13 divides once in the copy and again after the sum.)
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dense_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Activation checkpointing and compile
+
+def _ops(*names: str) -> set:
+    """The named aten / c10d ops this torch build has (the attention kernels and collectives vary by version)."""
+    found = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return found
+
+
+# Selective AC keeps what is expensive to recompute: matmul outputs (attention kernels included) and the EP
+# all-to-all outputs, so that recomputation issues no collective.
+_SAC_SAVE = _ops("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default",
+                 "aten._scaled_dot_product_flash_attention.default",
+                 "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                 "aten._scaled_dot_product_efficient_attention.default",
+                 "aten._scaled_dot_product_cudnn_attention.default",
+                 "_c10d_functional.all_to_all_single.default", "_c10d_functional_autograd.all_to_all_single.default")
+if hasattr(torch._higher_order_ops, "flex_attention"):
+    _SAC_SAVE.add(torch._higher_order_ops.flex_attention)
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, context_fn):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return run
+
+
+def apply_ac(model: Transformer, mode: str):
+    """"full": recompute every block in backward; "selective": recompute all but matmuls and all-to-alls.
+    The block's forward is wrapped in place (no wrapper module), so state-dict names do not change."""
+    if mode not in AC_MODES:
+        raise ValueError(f"ac={mode!r} is not one of {AC_MODES}.")
+    if mode == "none":
+        return
+    context_fn = noop_context_fn
+    if mode == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+        # SAC replays the ops of the checkpointed region by count. The experts' FSDP hooks run inside the block and
+        # call profiler annotations a different number of times in forward and in recompute (torchtitan#3427,
+        # torch 2.13), so SAC must ignore those annotations, as it already ignores detach.
+        SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
+                                    "profiler._record_function_exit._RecordFunction"))
+    for block in model.layers.values():
+        block.forward = _checkpointed(block.forward, context_fn)
+
+
+def apply_compile(model: Transformer, backend: str = "inductor"):
+    """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
+    all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Putting it together
+
+def parallelize(model: Transformer, mesh: DeviceMesh | None, layout: Layout, ac: str = "none",
+                compile: bool | str = False, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype = torch.float32) -> Transformer:
+    """Transform the plain model in place: EP, then AC, then compile, then FSDP (torchtitan's order: FSDP wraps
+    the checkpointed, compiled blocks). With mesh None (one process) only AC and compile apply. `compile`: True for
+    inductor, or a torch.compile backend name ("aot_eager" compiles fast on CPU, for tests)."""
+    if ac not in AC_MODES:
+        raise ValueError(f"ac={ac!r} is not one of {AC_MODES}.")
+    if mesh is not None and layout.ep > 1:
+        apply_ep(model, mesh)
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model, "inductor" if compile is True else compile)
+    if mesh is not None:
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype)
+    return model
+
+
+def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
+                ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
+                seed: int = 0) -> Transformer:
+    """Build on the meta device, parallelize, allocate only this rank's shards on `device` and initialise them
+    (model.init_weights works shard by shard on DTensors), so no rank ever holds the full model."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    parallelize(model, mesh, layout, ac=ac, compile=compile, param_dtype=param_dtype)
+    model.to_empty(device=device)
+    if mesh is None or device.type == "cuda":
+        torch.manual_seed(seed)  # on CUDA DTensor's RNG tracker draws each shard from one global stream
+    else:
+        # DTensor's RNG tracker is CUDA-only, so on CPU each rank draws its shards from its own generator: seed it
+        # by dp_shard coordinate, which every shard (dense and expert) is indexed by, so replicas stay identical.
+        torch.manual_seed(seed + _submesh(mesh, "dp_shard").get_local_rank())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        model.init_weights()
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Gradient norm
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip all gradients to a total 2-norm of max_norm; return the norm before clipping. The norm is the true
+    global one: gradients live on different meshes (dense on (dp_replicate, dp_shard), experts on (dp_replicate,
+    efsdp, ep)), so each mesh's norm is reduced over its own shards (DTensor full_tensor) and then combined."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_spec: dict = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        by_spec.setdefault(key, []).append(g)
+    squares = []
+    for group in by_spec.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    total_norm = torch.stack(squares).sum().sqrt()
+    clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views: scaling them scales the grads
+    torch._foreach_mul_(locals_, clip.to(locals_[0].device))
+    return total_norm

@@ -1,0 +1,313 @@
+"""parallel.py against a single-process run: 8 and 2 gloo processes on CPU train the same tiny model on the same global
+batch under several layouts (HSDP, EP, activation checkpointing) and must match one process step for step.
+
+    python -m pytest tests/test_parallel.py -q
+
+The multi-rank runs are this file run under torchrun (`python -m torch.distributed.run --standalone
+--nproc_per_node=8 tests/test_parallel.py eight OUT_DIR`); one launch loops over several layouts, because starting
+8 torch processes on a 2-core machine costs more than the training."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import parallel
+from model import ModelConfig, Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
+                  head_dim=16, window=8, max_seq_len=32, n_experts=16, n_shared_experts=1, top_k=4,
+                  expert_hidden=32, init_std=0.05, aux_loss_coef=1e-2, z_loss_coef=1e-3)
+GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM, BIAS_STEP = 16, 32, 3, 1e-2, 1.0, 1e-2
+# AdamW divides each gradient element by its own RMS + eps. With the default eps=1e-8, an element whose gradient is
+# ~1e-8 turns a rounding difference of ~1e-8 (ranks sum in another order) into an update difference of ~lr, which
+# then grows step by step: two identical single-process runs on 2 threads end 4.5e-5 apart. eps=1e-3 (gradients
+# here are ~1e-3) bounds that to lr * 1e-8 / eps = 1e-7 per step, so the parameters can be compared at fp32
+# tolerance; the first step's gradients are compared directly as well.
+ADAM_EPS = 1e-3
+
+# Each run: world size, Layout kwargs, micro_batch (1 or 2 on 8 ranks: 2 or 1 accumulation steps), and optionally
+# ac, compile (a torch.compile backend) and no_sync (reduce gradients on the last micro-batch only, as train.py does).
+RUNS = {
+    "R1_S8_ep8": dict(world=8, layout=dict(dp_replicate=1, ep=8), micro_batch=1, no_sync=True),
+    "R2_S4_ep4": dict(world=8, layout=dict(dp_replicate=2, ep=4), micro_batch=2),
+    "R2_S4_ep2": dict(world=8, layout=dict(dp_replicate=2, ep=2), micro_batch=1),
+    "R4_S2_ep1": dict(world=8, layout=dict(dp_replicate=4, ep=1), micro_batch=1, no_sync=True),
+    "R1_S2_ep2_full_ac": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=4, ac="full"),
+    "R1_S2_ep2_selective_ac": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=8, ac="selective"),
+    # ep=1 on 2 ranks: the experts' FSDP all-gather runs inside the selectively checkpointed block
+    "R1_S2_ep1_selective_ac": dict(world=2, layout=dict(dp_replicate=1, ep=1), micro_batch=4, ac="selective"),
+    "R1_S2_ep2_compiled": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=4, compile="aot_eager"),
+}
+BAD_LAYOUT = (dict(dp_replicate=1, ep=2), 3)  # on 2 ranks: global batch 16 is not a multiple of 2 x 3
+DCP_SAVE, DCP_LOAD = "R1_S8_ep8", "R2_S4_ep2"  # a torch.distributed.checkpoint saved on one layout, loaded on another
+
+
+def batches():
+    return torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def update_expert_bias(model, counts_LE):
+    """The sign rule of SPEC §4 on the global batch's counts (a large step, so routing changes between steps)."""
+    for moe, counts_E in zip(model.moe_layers(), counts_LE.float()):
+        delta_E = BIAS_STEP * torch.sign(counts_E.mean() - counts_E)
+        moe.expert_bias += delta_E - delta_E.mean()
+
+
+def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_sync=False):
+    """STEPS AdamW steps on this rank's slice of each global batch; returns the global mean losses, the gradient
+    norms and the tokens per expert of the global batch, per step, and the first step's full gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    local_batch = GLOBAL_BATCH // world
+    accum = local_batch // micro_batch
+    record = {"loss": [], "grad_norm": [], "counts": []}
+    for step in range(STEPS):
+        mine = tokens[step, rank * local_batch:(rank + 1) * local_batch]
+        loss_sum = torch.zeros(())
+        counts_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, dtype=torch.long)
+        for i in range(accum):
+            if no_sync:
+                model.set_requires_gradient_sync(i == accum - 1)
+            micro = mine[i * micro_batch:(i + 1) * micro_batch]
+            _, lm_loss = model(micro[:, :-1], targets_BT=micro[:, 1:])
+            loss = lm_loss + model.balance_loss()  # aux and z-losses: their gradients reach the router too
+            (loss / accum).backward()
+            loss_sum += loss.detach() / accum
+            counts_LE += torch.stack([moe.counts_E for moe in model.moe_layers()])
+        all_reduce_sum_(loss_sum)
+        all_reduce_sum_(counts_LE)
+        if step == 0:  # the first step's full gradients: AdamW hides a wrongly scaled gradient, this does not
+            record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                               for n, p in model.named_parameters()}
+        record["grad_norm"].append(float(clip(model, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        update_expert_bias(model, counts_LE)
+        record["loss"].append(loss_sum.item() / world)
+        record["counts"].append(counts_LE)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The worker: this file under torchrun
+
+def run_layout(name, init, tokens, rank, world, device):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0
+    run = RUNS[name]
+    layout = parallel.Layout(world, **run["layout"])
+    layout.check(CFG, GLOBAL_BATCH, run["micro_batch"])
+    mesh = parallel.build_mesh(layout, device.type)
+    model = parallel.build_model(CFG, layout, mesh, device, ac=run.get("ac", "none"),
+                                 compile=run.get("compile", False))
+    if run.get("compile"):  # torch 2.13 cannot trace fp32 grouped_mm on CPU (its fake kernel wants bf16)
+        for moe in model.moe_layers():
+            moe.experts.impl = "loop"
+
+    # Fresh init: every replica of a shard holds the same values (compared across dp_replicate in one gather).
+    locals_ = [p.to_local().detach().flatten() for p in model.parameters()]
+    flat = torch.cat(locals_)
+    gathered = [torch.empty_like(flat) for _ in range(layout.dp_replicate)]
+    dist.all_gather(gathered, flat, group=mesh.get_group("dp_replicate"))
+    replicas_equal = all(torch.equal(g, flat) for g in gathered)
+    param_bytes = {kind: sum(p.to_local().numel() * p.element_size() for n, p in model.named_parameters()
+                             if ("experts." in n) == (kind == "experts")) for kind in ("dense", "experts")}
+
+    gathered = {}
+    if name == DCP_LOAD:
+        sharded = get_model_state_dict(model)
+        dcp.load(sharded, checkpoint_id=OUT / "dcp")
+        set_model_state_dict(model, sharded)
+        gathered["dcp_loaded"] = get_model_state_dict(model, options=full_options)
+    set_model_state_dict(model, dict(init), options=StateDictOptions(full_state_dict=True))  # it edits the dict
+    record = train(model, tokens, rank, world, run["micro_batch"], parallel.clip_grad_norm_, parallel.all_reduce_sum_,
+                   no_sync=run.get("no_sync", False))
+    full = get_model_state_dict(model, options=full_options)
+    if name == DCP_SAVE:
+        dcp.save(get_model_state_dict(model), checkpoint_id=OUT / "dcp")
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {"bias": [m.expert_bias.clone() for m in model.moe_layers()],
+                                      "counts": record["counts"], "bytes": param_bytes,
+                                      "replicas_equal": replicas_equal})
+    if rank == 0:
+        torch.save({**record, **gathered, "state_dict": full, "per_rank": per_rank}, OUT / f"{name}.pt")
+
+
+def worker(mode):
+    rank, world, device = parallel.init_distributed(timeout_s=120)
+    try:
+        init = torch.load(OUT / "init.pt")
+        if mode == "two":
+            # A layout that cannot work raises the same sentence on every rank, before any collective.
+            try:
+                parallel.Layout(world, **BAD_LAYOUT[0]).check(CFG, GLOBAL_BATCH, BAD_LAYOUT[1])
+                message = "no error"
+            except ValueError as e:
+                message = str(e)
+            (OUT / f"bad_layout_rank{rank}.txt").write_text(message)
+        for name, run in RUNS.items():
+            if run["world"] == world:
+                run_layout(name, init["state_dict"], init["tokens"], rank, world, device)
+    finally:
+        parallel.destroy()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The tests
+
+def launch(nproc, mode, out, timeout_s=400):
+    """Run the worker under torchrun; kill the whole process group if it hangs, so nothing is left running."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), mode, str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{nproc}-rank run did not finish in {timeout_s}s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{nproc}-rank run failed:\n{output[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process reference and every multi-rank run."""
+    out = tmp_path_factory.mktemp("parallel")
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    tokens = batches()
+    torch.save({"state_dict": model.state_dict(), "tokens": tokens}, out / "init.pt")
+    launch(8, "eight", out)
+    launch(2, "two", out)
+    reference = train(model, tokens, 0, 1, GLOBAL_BATCH,
+                      lambda m, max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm), lambda t: t)
+    reference["state_dict"] = model.state_dict()
+    reference["bias"] = [m.expert_bias.clone() for m in model.moe_layers()]
+    results = {name: torch.load(out / f"{name}.pt") for name in RUNS}
+    bad = [(out / f"bad_layout_rank{r}.txt").read_text() for r in range(2)]
+    return reference, results, bad
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_training_matches_single_process(runs, name):
+    reference, results, _ = runs
+    run = results[name]
+    # Same routing decisions, hence the same global tokens-per-expert, every step.
+    for ours, theirs in zip(run["counts"], reference["counts"]):
+        assert torch.equal(ours, theirs)
+    torch.testing.assert_close(run["loss"], reference["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=1e-6)
+    for key, want in reference["grads"].items():  # every gradient, experts and dense, is the global-batch mean
+        torch.testing.assert_close(run["grads"][key], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    assert run["state_dict"].keys() == reference["state_dict"].keys()  # no wrapper names in the state dict
+    for key, want in reference["state_dict"].items():  # after 3 AdamW steps, expert bias included
+        torch.testing.assert_close(run["state_dict"][key], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_expert_bias_identical_on_every_rank(runs, name):
+    reference, results, _ = runs
+    for rank_result in results[name]["per_rank"]:
+        for ours, want in zip(rank_result["bias"], reference["bias"]):
+            assert torch.equal(ours, want)
+        for ours, want in zip(rank_result["counts"], reference["counts"]):
+            assert torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n]["world"] == 8])
+def test_each_rank_holds_its_share_of_the_parameters(runs, name):
+    reference, results, _ = runs
+    # Dense parameters are sharded over dp_shard ranks, experts over efsdp x ep: the same number of ranks.
+    shard = RUNS[name]["world"] // RUNS[name]["layout"]["dp_replicate"]
+    total = {kind: sum(t.numel() * t.element_size() for n, t in reference["state_dict"].items()
+                       if n.endswith("proj") or n.endswith("weight")
+                       if ("experts." in n) == (kind == "experts")) for kind in ("dense", "experts")}
+    for rank_result in results[name]["per_rank"]:
+        for kind in ("dense", "experts"):
+            assert rank_result["bytes"][kind] == pytest.approx(total[kind] / shard, rel=0.05), kind
+        assert rank_result["replicas_equal"]
+
+
+def test_checkpoint_saved_on_one_layout_loads_on_another(runs):
+    _, results, _ = runs
+    saved, loaded = results[DCP_SAVE]["state_dict"], results[DCP_LOAD]["dcp_loaded"]
+    assert saved.keys() == loaded.keys()
+    for key, want in saved.items():
+        assert torch.equal(loaded[key], want), key
+
+
+def test_bad_layout_raises_on_every_rank(runs):
+    _, _, bad = runs
+    assert bad[0] == bad[1]
+    assert "global_batch=16" in bad[0] and "micro_batch 3" in bad[0]
+
+
+def test_describe_names_the_groups():
+    text = parallel.Layout(8, dp_replicate=2, ep=2).describe(n_experts=16)
+    assert "mesh [dp_replicate=2, efsdp=2, ep=2] over 8 ranks" in text
+    assert "FSDP groups (dense params, dp_shard=4): [0-3] [4-7]" in text
+    assert "replicas (dp_replicate=2, dense and experts): [0,4] [1,5] [2,6] ... (4 groups)" in text
+    assert "EP groups (ep=2, consecutive ranks): [0-1] [2-3] [4-5] ... (4 groups)" in text
+    assert "expert FSDP groups (efsdp=2): [0,2] [1,3] [4,6] ... (4 groups)" in text
+    assert "routed experts: 16/2 = 8 per EP rank, 4 per GPU" in text
+    assert "1 process" in parallel.Layout(1).describe()
+
+
+@pytest.mark.parametrize("layout, micro_batch, message", [
+    (dict(world=8, dp_replicate=3), 1, "world size 8 is not divisible by dp_replicate=3"),
+    (dict(world=8, dp_replicate=2, ep=8), 1, "ep=8 does not divide dp_shard=4"),
+    (dict(world=8, ep=8), 1, None),  # fine
+    (dict(world=6, ep=3), 1, "n_experts=16 is not divisible by ep=3"),
+    (dict(world=8, dp_replicate=2, ep=2), 4, "global_batch=16 sequences is not divisible by world 8 x micro_batch 4"),
+    (dict(world=8, ep=0), 1, "ep=0 must be a positive integer"),
+])
+def test_layout_check(layout, micro_batch, message):
+    check = lambda: parallel.Layout(**layout).check(CFG, GLOBAL_BATCH, micro_batch)  # noqa: E731
+    if message is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=message):
+            check()
+    assert parallel.Layout(8, 2, 2).accumulation_steps(GLOBAL_BATCH, 1) == 2
+
+
+def test_single_process_build_and_clip():
+    """World 1: build_model gives a plain, initialised model; clip_grad_norm_ equals torch's on plain tensors."""
+    device = torch.device("cpu")
+    model = parallel.build_model(CFG, parallel.Layout(1), None, device, ac="full")
+    assert model.state_dict().keys() == Transformer(CFG).state_dict().keys()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all((m.expert_bias == 0).all() for m in model.moe_layers())
+    tokens = batches()[0, :2]
+    _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = parallel.clip_grad_norm_(model, 0.1)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    torch.testing.assert_close(norm, want)
+    assert norm > 0.1  # so the clipping itself was exercised
+    clipped = [p.grad.clone() for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    parallel.clip_grad_norm_(model, 0.1)
+    for p, c in zip(model.parameters(), clipped):
+        torch.testing.assert_close(p.grad, c)
+
+
+if __name__ == "__main__":
+    OUT = Path(sys.argv[2])
+    worker(sys.argv[1])
