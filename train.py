@@ -97,6 +97,8 @@ class TrainConfig:
     crash_at_step: int = _flag(-1, "fault drill: the last rank dies after this step (first launch only)")
     stall_at_step: int = _flag(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
     nan_at_step: int = _flag(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
+    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this selection bias on the first "
+                                    "2*top_k experts of every MoE layer, a router collapsed onto a few experts")
 
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
@@ -377,6 +379,10 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)
     say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
         f"{flops_per_token / 1e6:.1f} MFLOP/token")
+
+    if tc.skew_router:
+        for moe in moe_layers(model):
+            moe.expert_bias[: 2 * cfg.top_k] += tc.skew_router
 
     # --- optimizer, balancing state, and resume from the newest complete checkpoint
     optimizer = build_optimizer(model, tc, fused=device.type == "cuda")
