@@ -370,7 +370,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     # --- model: built on meta, sharded, then initialised shard by shard
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
-                                 param_dtype=torch.bfloat16 if dtype else None)
+                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
     if hf_state is not None:
         # Every rank reads the full HF state dict and keeps its own shards.
         set_model_state_dict(model, hf_state, options=StateDictOptions(full_state_dict=True, strict=True))
