@@ -312,6 +312,11 @@ def _grouped_mm(x_ND, w_EDO, offs_E):
     return fn(x_ND, w_EDO, offs=offs_E)
 
 
+# grouped_mm's tracing (fake) kernel accepts only bf16, while the CPU kernel also runs fp32: under torch.compile
+# fp32 grouped GEMMs run eagerly (a graph break) instead of failing to trace.
+_grouped_mm_eager = torch.compiler.disable(_grouped_mm)
+
+
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
     """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each).
     gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is [E, D, I]. `impl`: "grouped" (torch grouped GEMM),
@@ -333,8 +338,9 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
     else:
         gate_up_EHD, down_EDI = gate_up_EHD.to(dtype), down_EDI.to(dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    gate_NI, up_NI = _grouped_mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E).chunk(2, dim=-1)
-    return _grouped_mm(F.silu(gate_NI) * up_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
+    mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
+    gate_NI, up_NI = mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E).chunk(2, dim=-1)
+    return mm(F.silu(gate_NI) * up_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
 
 
 class GroupedExperts(nn.Module):

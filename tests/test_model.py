@@ -225,3 +225,17 @@ def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_experts_match_eager(dtype):
+    """The grouped GEMM traces under torch.compile in bf16 and runs eagerly (a graph break) in fp32 on CPU."""
+    g = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(8, 32, 16).to(dtype)
+    with torch.no_grad():
+        for w in (experts.gate_up_proj, experts.down_proj):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.2)
+    counts = torch.tensor([2, 3, 0, 5, 1, 4, 3, 2])
+    x = torch.randn(20, 32, generator=g).to(dtype)
+    compiled = torch.compile(experts, backend="aot_eager")
+    assert torch.equal(compiled(x, counts), experts(x, counts))
