@@ -47,13 +47,13 @@ class TrainConfig:
     data: str = _flag(data.DEFAULT_DATA_DIR, "prepared data directory (python data.py); the default corpus is "
                                              "prepared automatically when absent")
     tokenizer: str = _flag("cl100k_base", "tiktoken encoding the data was prepared with; sizes the vocabulary")
-    seq_len: int = _flag(256, "tokens per sequence")
+    seq_len: int = _flag(128, "tokens per sequence")
     doc_mask: bool = _flag(True, "intra-document attention masking (a token sees only its own document)")
     # batch and schedule
-    steps: int = _flag(300, "optimizer steps")
-    global_batch: int = _flag(16, "sequences per optimizer step, whatever the number of ranks")
+    steps: int = _flag(150, "optimizer steps")
+    global_batch: int = _flag(8, "sequences per optimizer step, whatever the number of ranks")
     micro_batch: int = _flag(8, "sequences per rank per forward; accumulation steps are derived")
-    lr: float = _flag(3e-3, "peak learning rate")
+    lr: float = _flag(5e-3, "peak learning rate")
     min_lr_ratio: float = _flag(0.1, "final LR as a fraction of the peak")
     warmup_steps: int = _flag(20, "linear warmup steps")
     decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then linear over the "
@@ -80,7 +80,7 @@ class TrainConfig:
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = _flag(10, "log every N steps")
-    eval_every: int = _flag(100, "validate every N steps (and at the end; 0: only at the end)")
+    eval_every: int = _flag(50, "validate every N steps (and at the end; 0: only at the end)")
     eval_batches: int = _flag(4, "validation batches (of global_batch sequences) per evaluation")
     peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
     sample_tokens: int = _flag(48, "tokens sampled from a prompt at the end (0: none)")
