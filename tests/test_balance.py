@@ -88,3 +88,38 @@ def test_collapse_drill_smebu_and_sign_undo_a_skewed_router(corpus_dir, tmp_path
     print("collapse drill, mean MaxVio of the last 5 steps:", vio)
     assert vio["smebu"] < vio["none"] / 3, vio
     assert vio["sign"] < vio["none"], vio
+
+
+def test_global_counts_cover_every_micro_batch_and_rank(corpus_dir, tmp_path):
+    """4 ranks (expert-parallel, 2 micro-batches each, activation checkpointing on) see the same tokens-per-expert
+    counts, MaxVio and expert biases at every step as one process with the whole batch in one forward."""
+    import subprocess
+    import sys
+    from safetensors.torch import save_file
+    from checkpoint import to_hf_state_dict
+    # One initial model for both runs (sharded initialisation on CPU draws differently per layout).
+    tc, overrides = train.parse_args(TINY_MODEL_FLAGS)
+    cfg = train.model_config(tc, overrides, vocab_size=100277)
+    torch.manual_seed(0)
+    os.makedirs(tmp_path / "init")
+    save_file(to_hf_state_dict(Transformer(cfg).state_dict(), cfg), str(tmp_path / "init" / "model.safetensors"))
+    with open(tmp_path / "init" / "config.json", "w") as f:
+        json.dump(cfg.to_hf(), f)
+    common = [f"--data={corpus_dir}", "--seq_len=32", "--global_batch=8", "--steps=3", "--log_every=1",
+              "--eval_every=0", "--eval_batches=1", "--sample_tokens=0", "--resume=none",
+              f"--init_from_hf={tmp_path / 'init'}", *TINY_MODEL_FLAGS]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                    "train.py", *common, f"--out_dir={tmp_path / 'four'}", "--micro_batch=1", "--ep=2", "--ac=full"],
+                   cwd=root, check=True, capture_output=True, timeout=600)
+    tc, overrides = train.parse_args([*common, f"--out_dir={tmp_path / 'one'}", "--micro_batch=8"])
+    train.main(tc, overrides)
+    rows = {}
+    for name in ("four", "one"):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            rows[name] = [json.loads(line) for line in f]
+    for four, one in zip(rows["four"], rows["one"]):
+        for key in ("min_load_layers", "max_load_layers", "dead_experts_layers", "max_vio_layers"):
+            assert four[key] == one[key], key
+        assert four["bias_norm_layers"] == pytest.approx(one["bias_norm_layers"], rel=1e-5)
+        assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)

@@ -204,10 +204,15 @@ def test_preset_counts_match_spec():
     assert abs(nano["total"] / 6e9 - 1) < 0.05 and abs(nano["active"] / 1e9 - 1) < 0.1
 
 
-def test_tiny_preset_keeps_the_trinity_structure():
+def test_tiny_preset_keeps_the_trinity_structure_and_starts_at_ln_vocab():
     cfg = PRESETS["tiny"]
     assert (cfg.n_experts, cfg.top_k, cfg.n_shared_experts) == (256, 4, 1) and cfg.n_dense_layers >= 1
     assert [cfg.is_global(i) for i in range(4)] == [False, False, False, True]
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65))
+    with torch.no_grad():
+        _, loss = Transformer(cfg)(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.3
 
 
 def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
