@@ -1,0 +1,851 @@
+"""
+Benchmarks and capacity planning: what a training step costs, where its time goes, and what a layout needs.
+
+bench.py times the exact code path of train.py (train.train_step on a model from parallel.build_model, with the same
+flags) on synthetic tokens. It is a tool: training never imports it.
+
+    python bench.py --preset=tiny                        # the train step: ms/step, tokens/s, TFLOP/s, MFU, memory,
+                                                         # forward/backward/optimizer split, time per component
+    python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
+    torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
+    python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
+    torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
+    python bench.py plan --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq=8192 --global_batch=12288 \
+        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic and days; no allocation
+    python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
+    python bench.py vs-hf --dim=512 --n_heads=8 --head_dim=64 --n_experts=128 --top_k=8 --expert_hidden=128 \
+        --vocab_size=4096                                # ... at a shape where the routed experts dominate
+    python bench.py plot out                             # out/metrics.jsonl -> out/metrics.png (needs matplotlib)
+
+`--json` prints the report as one JSON object on the last line. On a shared machine timings are noisy: compare the
+ratios measured side by side in one run (moe_to_dense, speedup), not milliseconds from different runs.
+"""
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parallel
+import train
+from model import PRESETS, FeedForward, MoE, meta_model
+
+COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
+            "plan": "memory, traffic and days for a model on a GPU layout, without allocating it",
+            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
+            "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
+TRAIN_FLAGS = [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [f"--{n}" for n in train.MODEL_FIELDS]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Timing, memory and synthetic data
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def spread(ms: list[float]) -> dict:
+    """Median and spread of per-step times."""
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return {"ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_p25": q[0], "ms_p75": q[2],
+            "iters": len(ms)}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak since the last reset. CPU: the process's peak resident set (Linux reports KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int,
+                    docs_per_row: int = 4):
+    """This rank's rows of a random global batch, as train.py's loader returns them: (tokens, targets, doc ids), each
+    [B, T]; every row holds `docs_per_row` documents split at random positions."""
+    g = torch.Generator().manual_seed(seed)
+    tokens_BT = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=g)
+    starts_BT = torch.zeros(global_batch, seq_len, dtype=torch.long)
+    n_cuts = min(docs_per_row, seq_len) - 1
+    if n_cuts > 0:
+        cuts = torch.rand(global_batch, seq_len - 1, generator=g).topk(n_cuts, dim=1).indices + 1
+        starts_BT.scatter_(1, cuts, 1)
+    rows = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
+    return tokens_BT[rows, :-1], tokens_BT[rows, 1:], starts_BT.cumsum(1)[rows]
+
+
+def model_config(tc: train.TrainConfig, overrides: dict):
+    """train.model_config, with the preset's vocabulary instead of a tokenizer's (--vocab_size overrides it)."""
+    overrides = dict(overrides)
+    return train.model_config(tc, overrides, overrides.pop("vocab_size", PRESETS[tc.preset].vocab_size))
+
+
+def autocast_for(tc: train.TrainConfig, device: torch.device):
+    """(autocast context, compute dtype or None) as train.main chooses them: bf16 on GPU, fp32 on CPU."""
+    dtype = torch.bfloat16 if (tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")) else None
+    return (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()), dtype
+
+
+def max_over_ranks(value: float) -> float:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([float(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Where the time goes: profiler ranges around the model's components, attributed forward and backward
+
+SCOPE = "bench::"
+COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
+                "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
+STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's own work, neither forward nor backward
+
+
+def _in_range(fn, name: str):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def wrapped(targets):
+    """Wrap each (object, attribute, label) callable in a profiler range `bench::label` for the duration, as an
+    instance attribute (the way parallel.apply_ac wraps block.forward), and restore it afterwards."""
+    originals = []
+    try:
+        for obj, attr, label in targets:
+            originals.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
+            setattr(obj, attr, _in_range(originals[-1][3], SCOPE + label))
+        yield
+    finally:
+        for obj, attr, own, fn in reversed(originals):
+            if own:
+                setattr(obj, attr, fn)
+            else:
+                delattr(obj, attr)
+
+
+def moe_targets(moe: MoE) -> list:
+    # The z-loss and the sort/gather/scatter are written inline in MoE.forward: they land in its own range.
+    targets = [(moe, "forward", "MoE permutation, combine, z-loss"), (moe, "route", "router"),
+               (moe, "balance_loss", "router"), (moe.experts, "forward", "routed experts")]
+    return targets + ([(moe.shared, "forward", "shared expert")] if moe.shared is not None else [])
+
+
+def model_targets(model) -> list:
+    targets = [(model, "forward", "cross-entropy, masks, RoPE tables"), (model.embed, "forward", "embedding"),
+               (model.norm, "forward", "output head"), (model.head, "forward", "output head")]
+    for block in model.layers.values():
+        targets += [(block, "forward", "residual adds"), (block.attn, "forward", "attention")]
+        targets += [(norm, "forward", "norms")
+                    for norm in (block.attn_norm, block.attn_post_norm, block.ffn_norm, block.ffn_post_norm)]
+        targets += moe_targets(block.ffn) if isinstance(block.ffn, MoE) else [(block.ffn, "forward", "dense FFN")]
+    return targets + [(parallel, "clip_grad_norm_", "grad clip"), (train, "update_expert_bias", "expert-bias update")]
+
+
+def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
+    """Self time of every profiled op, attributed to the innermost bench:: range around it; a backward op to the range
+    of the forward op that created its autograd node (matched by sequence number). Returns ({label: {fwd, bwd,
+    total}} in ms per step, {op name: ms per step})."""
+    def self_us(e):
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    def owner(e):
+        while e is not None:
+            name = e.name
+            if name.startswith(SCOPE):
+                label = name[len(SCOPE):]
+                return label, "total" if label in STEP_LABELS else "fwd"
+            if name.startswith("Optimizer."):
+                return "optimizer", "total"
+            if any(m in name for m in COMM_MARKERS):
+                return "communication", "total"
+            if name.startswith("autograd::engine::evaluate_function"):
+                return None, e
+            e = e.cpu_parent
+        return "other", "total"
+
+    resolved, forward_of = [], {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        label, where = owner(e)
+        if label is not None and e.sequence_nr >= 0:
+            # Ops that create no autograd node still record the next sequence number; the op that creates the
+            # node is the last one to record it, so later events overwrite earlier ones.
+            forward_of[(e.thread, e.sequence_nr)] = label
+        resolved.append((e, label, where))
+    table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
+    ops = defaultdict(float)
+    for e, label, where in resolved:
+        if label is None:  # inside a backward node
+            label = forward_of.get((where.fwd_thread, where.sequence_nr),
+                                   "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
+            where = "bwd"
+        ms = self_us(e) / 1e3 / steps
+        table[label][where] += ms
+        ops[e.name] += ms
+    for row in table.values():
+        row["total"] += row["fwd"] + row["bwd"]
+    return dict(table), dict(ops)
+
+
+def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float]:
+    """Run fn `steps` times under the profiler with `targets` wrapped; returns (components, ops, wall ms per step)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
+        wall = sum(timed_ms(fn, device) for _ in range(steps)) / steps
+    table, ops = attribute(prof.events(), device.type == "cuda", steps)
+    return table, ops, wall
+
+
+def print_components(table: dict, wall_ms: float, say, what: str):
+    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to the component whose forward "
+        f"created it, recomputation under AC counted as forward):")
+    say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
+    for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
+        say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} {100 * row['total'] / wall_ms:5.1f}%")
+    accounted = sum(row["total"] for row in table.values())
+    say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {wall_ms - accounted:9.2f}"
+        f" {100 * (wall_ms - accounted) / wall_ms:5.1f}%   of {wall_ms:.1f} ms profiled")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py [train flags]: the training step
+
+def time_phases(model, optimizer, step, device: torch.device, steps: int) -> dict:
+    """ms per step of each phase of train.train_step, from hooks that synchronise and read the clock at the phase
+    boundaries (model forward pre/post hooks, the first all_reduce_sum_ after backward, optimizer pre/post hooks).
+    Synchronising stops compute/communication overlap, so this runs apart from the timed steps."""
+    marks = []
+
+    def mark(label):
+        sync(device)
+        marks.append((label, time.perf_counter()))
+
+    all_reduce = parallel.all_reduce_sum_
+
+    def all_reduce_marked(tensor):
+        if marks and marks[-1][0] == "backward":
+            mark("all-reduces, grad clip")
+        return all_reduce(tensor)
+
+    handles = [model.register_forward_pre_hook(lambda m, a: mark("forward"), prepend=True),
+               model.register_forward_hook(lambda m, a, o: mark("backward")),
+               optimizer.register_step_pre_hook(lambda o, a, k: mark("optimizer")),
+               optimizer.register_step_post_hook(lambda o, a, k: mark("zero_grad, expert-bias update"))]
+    parallel.all_reduce_sum_ = all_reduce_marked
+    try:
+        for _ in range(steps):
+            mark("batch to device")
+            step()
+            mark("end")
+    finally:
+        parallel.all_reduce_sum_ = all_reduce
+        for h in handles:
+            h.remove()
+    phases = defaultdict(float)
+    for (label, t0), (_, t1) in zip(marks, marks[1:]):
+        if label != "end":
+            phases[label] += (t1 - t0) * 1e3 / steps
+    return dict(phases)
+
+
+def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
+    rank, world, device = parallel.init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(tc.seed)
+    autocast, dtype = autocast_for(tc, device)
+    cfg = model_config(tc, overrides)
+    layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+    layout.check(cfg, tc.global_batch, tc.micro_batch)
+    mesh = parallel.build_mesh(layout, device.type)
+    model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
+                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
+    optimizer = train.build_optimizer(model, tc, fused=device.type == "cuda")
+    state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device),
+             "skipped": 0, "bad_steps": 0}
+    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
+    twin = meta_model(cfg)
+    n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)
+    say(f"bench: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
+        f"{n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), {flops_per_token / 1e6:.1f} MFLOP/token; "
+        f"seq {tc.seq_len}, global batch {tc.global_batch}, micro-batch {tc.micro_batch}, ac={tc.ac}, "
+        f"compile={tc.compile}, {dtype or torch.float32} on {world} x {device.type}")
+    say(layout.describe(cfg.n_experts))
+
+    def step():
+        for group in optimizer.param_groups:
+            group["lr"] = train.lr_at(state["step"], tc)
+        train.train_step(model, optimizer, batch, tc, autocast, state)
+        state["step"] += 1
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = [timed_ms(step, device) for _ in range(args.iters)]
+    result = {"command": "step", "preset": tc.preset, "world": world, "device": device_name(device),
+              "params": n["total"], "active_params": n["active"], "flops_per_token": flops_per_token,
+              "tokens_per_step": tc.global_batch * tc.seq_len, **spread(ms)}
+    tok_s = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3)
+    peak = train.peak_tflops(device, tc.peak_tflops)
+    tflops = flops_per_token * tok_s / world / 1e12
+    result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
+                  mfu=tflops / peak if peak else None, peak_tflops=peak,
+                  peak_mem_gib=max_over_ranks(peak_memory_bytes(device)) / 2**30,
+                  peak_mem_kind="CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS")
+    say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
+        f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
+    mfu = "n/a" if peak is None else f"{100 * result['mfu']:.1f}% of {peak:g} TFLOP/s"
+    say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; "
+        f"{tflops:.3f} TFLOP/s per device; MFU {mfu}")
+    say(f"peak memory: {result['peak_mem_gib']:.2f} GiB per device ({result['peak_mem_kind']}, max over ranks)")
+    if args.breakdown:
+        result["phases_ms"] = time_phases(model, optimizer, step, device, min(3, args.iters))
+        total = sum(result["phases_ms"].values())
+        say("phases (a separate pass: hooks synchronise and read the clock at each boundary; FSDP all-gathers and "
+            "reduce-scatters run inside forward and backward):")
+        for label, v in result["phases_ms"].items():
+            say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
+        if tc.compile:
+            say("components: not split with --compile (the blocks are fused graphs); run without it to see them")
+        else:
+            table, _, wall = profile(step, device, model_targets(model))
+            result["components_ms"] = table
+            print_components(table, wall, say, "one profiled training step")
+    parallel.destroy()
+    return result
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py moe: one MoE layer, three ways
+
+def init_(module: nn.Module, std: float):
+    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does (SPEC §2)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+
+
+def fwd_bwd(module, x_BTD, dy_BTD, autocast):
+    """One forward and backward of a layer, the way training runs it: the MoE's balance losses join the loss."""
+    x_BTD = x_BTD.detach().requires_grad_()
+    with autocast:
+        y_BTD = module(x_BTD)
+        loss = (y_BTD.float() * dy_BTD).sum()
+        if isinstance(module, MoE):
+            loss = loss + sum(t for t in (module.aux_loss, module.z_loss) if t is not None)
+    loss.backward()
+    return y_BTD.detach(), x_BTD.grad
+
+
+def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
+    rank, world, device = parallel.init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    autocast, dtype = autocast_for(tc, device)
+    cfg = model_config(tc, overrides)
+    N = args.tokens
+    T = min(tc.seq_len, N)
+    if N % T:
+        raise ValueError(f"--tokens={N} is not a multiple of --seq_len={T}; the balance loss works per sequence.")
+    D, E, K, I = cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_hidden
+    shared_hidden = I * cfg.n_shared_experts
+    torch.manual_seed(tc.seed)
+    moe = MoE(cfg).to(device)
+    init_(moe, cfg.init_std)
+    dense = FeedForward(D, K * I + shared_hidden).to(device)  # the same active FLOPs as the routed + shared experts
+    init_(dense, cfg.init_std)
+    torch.manual_seed(tc.seed + 1 + rank)  # each rank its own tokens (the expert-parallel path mixes them)
+    x_BTD = torch.randn(N // T, T, D, device=device)
+    dy_BTD = torch.randn(N // T, T, D, device=device)
+    flops = 6 * N * 3 * D * (K * I + shared_hidden)  # fwd + bwd of the expert matmuls; the router adds 6·N·D·E
+    say(f"moe: {tc.preset} shapes d_model {D}, {E} experts top-{K}, expert hidden {I}, shared hidden {shared_hidden}; "
+        f"dense SwiGLU hidden {K * I + shared_hidden}; {N} tokens ({N // T} x {T}); {dtype or torch.float32} on "
+        f"{device_name(device)}; router matmul = {100 * E / (3 * (K * I + shared_hidden)):.0f}% of the expert FLOPs")
+
+    ep_moe = None
+
+    def variant(impl):
+        def run():
+            if impl in ("grouped", "loop"):
+                moe.experts.impl = impl
+            module = {"dense": dense, "ep": ep_moe}.get(impl, moe)
+            module.zero_grad(set_to_none=True)
+            return fwd_bwd(module, x_BTD, dy_BTD, autocast)
+        return run
+
+    # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients.
+    (y_g, dx_g), grads_g = variant("grouped")(), [p.grad.clone() for p in moe.experts.parameters()]
+    (y_l, dx_l), grads_l = variant("loop")(), [p.grad.clone() for p in moe.experts.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
+    scale = max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
+    variants = ["grouped", "loop", "dense"]
+    if world > 1:  # expert parallel over all ranks, on the same weights (same seed) and this rank's tokens
+        layout = parallel.Layout(world, 1, world)
+        layout.check(cfg, world, 1)
+        ep_moe = copy.deepcopy(moe)
+        ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
+        ep_moe.experts.impl = "grouped"
+        y_ep, _ = variant("ep")()
+        ep_diff = (y_ep - y_g).abs().max().item()
+        variants.append("ep")
+    times = defaultdict(list)
+    for i in range(args.warmup + args.iters):
+        for name in variants:  # alternate, so drifting machine load hits every variant alike
+            ms = timed_ms(variant(name), device)
+            if i >= args.warmup:
+                times[name].append(ms)
+    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
+              "grouped_vs_loop_max_diff": diff / scale}
+    for name in variants:
+        result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
+        result[f"{name}_ms_min"] = min(times[name])
+    result["moe_to_dense"] = result["grouped_ms"] / result["dense_ms"]
+    result["loop_to_dense"] = result["loop_ms"] / result["dense_ms"]
+    for name in ("grouped", "loop", "dense"):
+        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
+            f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s on the active expert FLOPs")
+    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x   per-expert loop / dense: "
+        f"{result['loop_to_dense']:.2f}x   (grouped == loop to {diff / scale:.1e} relative)")
+    if ep_moe is not None:
+        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
+        result["ep_vs_local_max_diff"] = max_over_ranks(ep_diff)
+        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
+            f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
+            f"{result['ep_vs_local_max_diff']:.1e})")
+    if args.breakdown:
+        table, ops, wall = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
+        result["components_ms"] = table
+        print_components(table, wall, say, "the grouped MoE layer")
+        top = sorted(ops.items(), key=lambda kv: -kv[1])[:10]
+        result["top_ops_ms"] = dict(top)
+        say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, ms in top))
+    parallel.destroy()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py plan: memory, traffic and time for a layout, by arithmetic on a meta-device model
+
+# SPEC §7 dense bf16 peaks (train.PEAK_TFLOPS) and memory per GPU in GiB.
+GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80), "h200": (train.PEAK_TFLOPS["H200"], 141),
+        "b200": (train.PEAK_TFLOPS["B200"], 180), "b300": (train.PEAK_TFLOPS["B300"], 288)}
+# A plan fits when its prediction leaves 10% of the GPU for what it does not model: the CUDA context, NCCL buffers,
+# allocator fragmentation, EP load imbalance.
+FIT_FRACTION = 0.9
+AC_MODES = ("none", "selective", "full")
+
+
+def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
+    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": saved plus the largest
+    transient (the loss gradients at the start of backward, or one block re-materialised by AC)}.
+
+    Per token, with c bytes per compute element (2 bf16, 4 fp32), flash-style attention (no T x T matrix; the boolean
+    masks of CPU's exact path are not counted) and balanced routing (an EP rank receives K tokens per token):
+      RMSNorm of width w             8w      its fp32 input and fp32 normalised output
+      attention                      cD (pre-norm output, the q/k/v/gate input) + 8(Hd + Gd) (q/k norms)
+                                     + c(Hd + 2Gd) (q, k, v) + c·Hd + 4H (output, fp32 log-sum-exp)
+                                     + 3c·Hd (output reshaped, sigmoid(gate), their product = o_proj input)
+      SwiGLU of hidden F             4cF     gate (silu input), silu output, up, product (down input)
+      router                         2cE     logits (z-loss) and sigmoid scores (gates, balance loss)
+                                     + cD    its input cast to bf16 (fp32: shares the FFN input)
+      routed experts, per K pairs    c(2D + 4I) + 2c + 24: gathered input, gate_up output (2I), silu output, product,
+                                     expert output; gate weight twice; three int64 index vectors
+      block                          4 norms of D, cD FFN input, attention, then SwiGLU or router + experts + shared
+      head                           8D + cD + 4V   final norm, head input, fp32 log-softmax; 8V transient gradients
+    selective AC keeps the block input and the outputs of matmuls, attention and all-to-alls (parallel._sac_policy):
+      cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router cE + experts K·c(2I + D)
+      + shared c(2Is + D) + 2K·cD with ep > 1; full AC keeps the block input cD."""
+    D, H, G, Dh, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
+    E, K, I, Is = cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.expert_hidden * cfg.n_shared_experts
+    Hd, Gd = H * Dh, G * Dh
+    attn = c * D + 8 * (Hd + Gd) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
+    attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
+    experts = (c * D if c == 2 else 0) + 2 * c * E + K * (c * (2 * D + 4 * I) + 2 * c + 24) + 4 * c * Is
+    experts_sel = c * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
+    full_layer, sel_layer = [], []
+    for layer in range(cfg.n_layers):
+        moe = cfg.is_moe(layer)
+        full_layer.append(4 * 8 * D + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
+        sel_layer.append(c * D + attn_sel + (experts_sel if moe else c * (2 * cfg.dense_hidden + D)))
+    tokens = micro_batch * seq
+    head, head_transient = 8 * D + c * D + 4 * V, 8 * V
+    saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
+             "full": cfg.n_layers * c * D + head}
+    recompute = max(full_layer)
+    return {mode: {"saved": tokens * saved[mode],
+                   "peak": tokens * (saved[mode] + max(head_transient, 0 if mode == "none" else recompute))}
+            for mode in AC_MODES}
+
+
+def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
+         compute_bytes: int = 2, grad_sync: str = "last") -> dict:
+    """Per-GPU memory (bytes), FLOPs per token and bytes moved per optimizer step for `cfg` on `layout`, as
+    parallel.py shards it: FSDP units are each block's dense parameters and the root (embedding, final norm, head)
+    over dp_shard = S ranks, and each MoE layer's routed experts, E/ep per EP rank, over efsdp = S/ep ranks;
+    replicated dp_replicate times. Mixed precision as train.py on GPU: fp32 master weights, gradients and AdamW
+    state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "last" as train.train_step
+    does (set_requires_gradient_sync only on the last micro-batch, so FSDP2 keeps the unsharded fp32 gradients of
+    every unit between micro-batches), "every" (reduce-scatter each micro-batch)."""
+    layout.check(cfg, global_batch, micro_batch)
+    model = meta_model(cfg)
+    W, R, S, Fs, ep = layout.world, layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep
+    c, accum = compute_bytes, layout.accumulation_steps(global_batch, micro_batch)
+
+    def numel(shape, shards=1):  # FSDP2 shards dim 0, padding it to a multiple of the shard count
+        return -(-shape[0] // shards) * math.prod(shape[1:])
+
+    root = [p.shape for name, p in model.named_parameters() if not name.startswith("layers.")]
+    blocks = [[p.shape for name, p in block.named_parameters() if ".experts." not in f".{name}"]
+              for block in model.layers.values()]
+    experts = [[(cfg.n_experts // ep, *p.shape[1:]) for p in (m.experts.gate_up_proj, m.experts.down_proj)]
+               for m in model.moe_layers()]
+    params = (sum(numel(s, S) for unit in [root, *blocks] for s in unit)
+              + sum(numel(s, Fs) for unit in experts for s in unit))
+    full = lambda unit: sum(numel(s) for s in unit)  # noqa: E731  (unsharded elements of one FSDP unit on a GPU)
+    root_full, block_full, expert_full = full(root), [full(u) for u in blocks], [full(u) for u in experts]
+    largest = max(block_full + expert_full)
+    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params,
+              "optimizer (AdamW m, v in fp32)": 8 * params}
+    if W > 1:
+        # FSDP2 keeps the root unsharded from forward to backward; a block is gathered while the next is prefetched.
+        memory["FSDP all-gather buffers (compute copies)"] = c * (root_full + 2 * largest)
+        # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter.
+        memory["FSDP reduce-scatter buffers"] = (c + 4) * max(root_full, largest)
+        if grad_sync == "last" and accum > 1:
+            memory["unsharded gradients held across micro-batches"] = 4 * (root_full + sum(block_full)
+                                                                           + sum(expert_full))
+    acts = activation_bytes(cfg, seq, micro_batch, c, ep)
+    memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
+    total = sum(memory.values())
+
+    # Bytes each GPU sends per optimizer step (ring collectives: (n-1)/n of the buffer; all-reduce twice that).
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    n_moe = len(experts)
+    gather_once = c * ((root_full + sum(block_full)) * ring(S) + sum(expert_full) * ring(Fs))
+    regather = c * (sum(block_full) * ring(S) + sum(expert_full) * ring(Fs))  # backward; the root stays gathered
+    traffic = {
+        "FSDP all-gather": accum * (gather_once + regather),
+        "FSDP reduce-scatter": (1 if grad_sync == "last" else accum)
+        * 4 * ((root_full + sum(block_full)) * ring(S) + sum(expert_full) * ring(Fs)),
+        "HSDP all-reduce across replicas": 2 * ring(R) * 4 * params,
+        # dispatch and combine forward, their reverse in backward, both again when full AC recomputes a block
+        "EP all-to-all": accum * n_moe * micro_batch * seq * cfg.top_k * cfg.dim * c * ring(ep)
+        * (6 if ac == "full" else 4),
+    }
+    n = model.num_params()
+    return {"world": W, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep, "accumulation_steps": accum,
+            "params_total": n["total"], "params_active": n["active"], "params_per_gpu": params,
+            "flops_per_token": model.flops_per_token(seq), "memory_bytes": memory, "memory_total_bytes": total,
+            "activations_by_ac": {mode: acts[mode]["peak"] for mode in AC_MODES},
+            "traffic_bytes_per_step": traffic}
+
+
+def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
+    peak, mem_gib = GPUS[args.gpu]
+    seq = args.seq or PRESETS[tc.preset].max_seq_len
+    global_batch = args.global_batch or args.gpus * args.micro_batch
+    cfg = model_config(dataclasses.replace(tc, seq_len=seq), overrides)
+    layout = parallel.Layout(args.gpus, args.dp_replicate, args.ep)
+    result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": seq,
+              "micro_batch": args.micro_batch, "global_batch": global_batch, "ac": args.ac, "grad_sync": args.grad_sync}
+    try:
+        p = plan(cfg, layout, seq, args.micro_batch, global_batch, args.ac, 2, args.grad_sync)
+    except ValueError as e:
+        return {**result, "fits": False, "reason": str(e), "exit": 2}
+    gib = lambda b: b / 2**30  # noqa: E731
+    total_gib, budget = gib(p["memory_total_bytes"]), FIT_FRACTION * mem_gib
+    tokens_per_step = global_batch * seq
+    step_s = tokens_per_step * p["flops_per_token"] / (args.gpus * peak * 1e12 * args.mfu)
+    days = args.tokens * p["flops_per_token"] / (args.gpus * peak * 1e12 * args.mfu) / 86400
+    traffic = p["traffic_bytes_per_step"]
+    result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
+                  memory_gib={k: gib(v) for k, v in p["memory_bytes"].items()},
+                  activations_gib_by_ac={k: gib(v) for k, v in p["activations_by_ac"].items()},
+                  flops_per_token=p["flops_per_token"], params_total=p["params_total"],
+                  params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
+                  traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in traffic.items()},
+                  step_seconds=step_s, bandwidth_gb_s_per_gpu=sum(traffic.values()) / 1e9 / step_s,
+                  tokens=args.tokens, mfu=args.mfu, days=days, fits=total_gib <= budget)
+    print(f"plan: {tc.preset} on {args.gpus} x {args.gpu} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
+          f"seq {seq}, micro-batch {args.micro_batch}, global batch {global_batch} "
+          f"({p['accumulation_steps']} micro-batch(es) per step), ac={args.ac}, grad_sync={args.grad_sync}")
+    print(layout.describe(cfg.n_experts))
+    print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
+    print("memory per GPU:")
+    for k, v in result["memory_gib"].items():
+        print(f"  {k:48s} {v:9.2f} GiB")
+    print(f"  {'total':48s} {total_gib:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: {budget:.0f})")
+    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
+                                                       for k, v in result["activations_gib_by_ac"].items()))
+    print(f"FLOPs per token at seq {seq}: {p['flops_per_token'] / 1e9:.2f} GFLOP (SPEC §7)")
+    print("bytes each GPU sends per optimizer step:")
+    for k, v in traffic.items():
+        print(f"  {k:48s} {v / 1e9:9.1f} GB")
+    print(f"  {'total':48s} {sum(traffic.values()) / 1e9:9.1f} GB; at {100 * args.mfu:.0f}% MFU a step takes "
+          f"{step_s:.2f} s, so {result['bandwidth_gb_s_per_gpu']:.0f} GB/s per GPU must overlap with compute")
+    print(f"time: {args.tokens:.3g} tokens at {100 * args.mfu:.0f}% MFU on {args.gpus} x {args.gpu}: {days:.1f} days "
+          f"({args.tokens / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
+    if not result["fits"]:
+        hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches because "
+                "train.train_step reduce-scatters only on the last one (--grad_sync=every plans without them)"
+                if "unsharded gradients held across micro-batches" in p["memory_bytes"] else
+                "; try --ac=full or --ac=selective, more GPUs per replica (lower --dp_replicate), or a smaller "
+                "--micro_batch")
+        result["reason"] = (f"the plan needs {total_gib:.1f} GiB per GPU but a {args.gpu} offers {budget:.0f} of its "
+                            f"{mem_gib} GiB{hint}")
+        result["exit"] = 1
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
+
+def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
+    import transformers
+
+    import checkpoint
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast, dtype = autocast_for(tc, device)
+    tc = dataclasses.replace(tc, doc_mask=False)  # AfmoeForCausalLM has no intra-document masking
+    cfg = model_config(tc, overrides)
+    layout = parallel.Layout(1)
+    layout.check(cfg, tc.global_batch, tc.micro_batch)
+    torch.manual_seed(tc.seed)
+    ours = parallel.build_model(cfg, layout, None, device, ac=tc.ac, compile=tc.compile, seed=tc.seed)
+    hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
+                                         if k not in ("model_type", "architectures")}, use_cache=False)
+    hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
+    hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
+    fused = device.type == "cuda"
+    opt_ours, opt_hf = train.build_optimizer(ours, tc, fused), train.build_optimizer(hf, tc, fused)
+    state = {"step": 0, "momentum": torch.zeros(len(ours.moe_layers()), cfg.n_experts, device=device),
+             "skipped": 0, "bad_steps": 0}
+    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)
+    n_micro = tc.global_batch // tc.micro_batch
+    hf_impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))
+    print(f"vs-hf: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, expert "
+          f"hidden {cfg.expert_hidden}, vocab {cfg.vocab_size}; {tc.global_batch} x {tc.seq_len} tokens per step in "
+          f"{n_micro} micro-batch(es); {dtype or torch.float32} on {device_name(device)}; transformers "
+          f"{transformers.__version__} with attention={hf_impl[0]}, experts={hf_impl[1]}")
+
+    losses = {}
+
+    def step_ours():
+        losses["ours"] = train.train_step(ours, opt_ours, batch, tc, autocast, state)["lm_loss"]
+
+    def step_hf():  # the same work: micro-batches, clipping, AdamW; no balance losses or bias update (HF has none)
+        tokens_BT, targets_BT, _ = (t.to(device) for t in batch)
+        total = 0.0
+        for i in range(n_micro):
+            rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
+            with autocast:
+                logits_BTV = hf(input_ids=tokens_BT[rows], use_cache=False).logits
+                loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT[rows].flatten())
+            (loss / n_micro).backward()
+            total += loss.item() / n_micro
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        opt_hf.step()
+        opt_hf.zero_grad(set_to_none=True)
+        losses["hf"] = total
+
+    step_ours()
+    step_hf()
+    first_diff = abs(losses["ours"] - losses["hf"])
+    times = defaultdict(list)
+    for i in range(args.warmup + args.iters):
+        for name, fn in (("ours", step_ours), ("hf", step_hf)) if i % 2 == 0 else (("hf", step_hf), ("ours", step_ours)):
+            ms = timed_ms(fn, device)
+            if i >= args.warmup:
+                times[name].append(ms)
+    result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": hf_impl[0],
+              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len,
+              "ours_ms": statistics.median(times["ours"]), "hf_ms": statistics.median(times["hf"]),
+              "ours_ms_min": min(times["ours"]), "hf_ms_min": min(times["hf"]), "first_loss_diff": first_diff}
+    result["speedup"] = result["hf_ms"] / result["ours_ms"]
+    print(f"  ours        median {result['ours_ms']:9.1f} ms (min {result['ours_ms_min']:.1f})")
+    print(f"  transformers median {result['hf_ms']:9.1f} ms (min {result['hf_ms_min']:.1f})")
+    print(f"speedup (transformers / ours): {result['speedup']:.2f}x; first-step LM losses agree to {first_diff:.1e}")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py plot: metrics.jsonl -> metrics.png
+
+def bench_plot(out_dir: str) -> dict:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; pass the --out_dir of a train.py run.")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("bench.py plot draws with matplotlib, which is not installed here: pip install matplotlib")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    series = lambda key: [(r["step"], r[key]) for r in rows if r.get(key) is not None]  # noqa: E731
+    fig, (ax_loss, ax_grad, ax_vio) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    for key, style in (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-")):
+        if series(key):
+            ax_loss.plot(*zip(*series(key)), style, label=key, markersize=3)
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    if series("grad_norm"):
+        ax_grad.plot(*zip(*series("grad_norm")), label="grad norm (before clipping)")
+        ax_grad.set_yscale("log")
+        ax_grad.legend()
+    ax_grad.set_ylabel("grad norm")
+    vio = series("max_vio_layers")
+    for layer in range(len(vio[0][1]) if vio else 0):
+        ax_vio.plot([s for s, _ in vio], [v[layer] for _, v in vio], label=f"MoE layer {layer}")
+    if vio:
+        ax_vio.legend(ncol=4, fontsize="small")
+    ax_vio.set_ylabel("MaxVio (max load / mean - 1)")
+    ax_vio.set_xlabel("step")
+    fig.tight_layout()
+    out = os.path.join(out_dir, "metrics.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    print(f"wrote {out} ({len(rows)} steps)")
+    return {"command": "plot", "png": out, "steps": len(rows)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Command line
+
+class _Parser(train._Parser):
+    """train.py's parser (a mistyped flag names the closest one), but a bad value is reported as such."""
+
+    def error(self, message):
+        if message.startswith("argument "):  # "argument --gpu: invalid choice: ...": the flag exists
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+
+def _parser(command: str, description: str) -> argparse.ArgumentParser:
+    return _Parser(prog=f"bench.py {command}".rstrip(), description=description, allow_abbrev=False,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
+                                "such as --dim=512, and the layout, batch and precision flags.")
+
+
+def _timing_flags(parser, warmup: int, iters: int):
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    parser.add_argument("--iters", type=int, default=iters, help="timed steps")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
+
+
+def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig | None, dict]:
+    """(command, bench flags, TrainConfig, model overrides) from the command line."""
+    command = argv[0] if argv and not argv[0].startswith("-") else "step"
+    if command != "step":
+        argv = argv[1:]
+        if command not in COMMANDS:
+            close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+            raise SystemExit(f"bench.py: error: unknown command {command!r}"
+                             f"{f'; did you mean {close[0]}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
+                             f"or none for the training step)")
+    train_defaults = []
+    if command == "plot":
+        parser = _parser("plot", COMMANDS["plot"])
+        parser.add_argument("out_dir", help="a train.py --out_dir holding metrics.jsonl")
+        return command, parser.parse_args(argv), None, {}
+    if command == "step":
+        parser = _parser("", "Time train.py's training step on synthetic tokens. " + __doc__.split("\n\n")[0].strip())
+        _timing_flags(parser, 2, 5)
+    elif command == "moe":
+        parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
+        _timing_flags(parser, 1, 5)
+        parser.add_argument("--tokens", type=int, default=2048, help="tokens through the layer (seq_len per row)")
+    elif command == "vs-hf":
+        parser = _parser("vs-hf", COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.")
+        _timing_flags(parser, 1, 5)
+        train_defaults = ["--global_batch=4", "--micro_batch=4"]
+    else:
+        parser = _parser("plan", COMMANDS["plan"] + " (the preset defaults to large).")
+        parser.add_argument("--gpus", type=int, default=2048, help="world size")
+        parser.add_argument("--dp_replicate", type=int, default=16, help="HSDP replicas")
+        parser.add_argument("--ep", type=int, default=8, help="expert-parallel degree")
+        parser.add_argument("--seq", "--seq_len", type=int, default=0, help="sequence length (0: the preset's)")
+        parser.add_argument("--global_batch", type=int, default=0, help="sequences per step (0: one per GPU)")
+        parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per forward")
+        parser.add_argument("--gpu", choices=GPUS, default="b300", help="GPU kind: peak bf16 TFLOP/s and memory")
+        parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
+        parser.add_argument("--grad_sync", choices=("last", "every"), default="last",
+                            help="gradient reduce-scatter under accumulation: last = as train.train_step does it "
+                                 "(unsharded gradients held between micro-batches) | every micro-batch")
+        parser.add_argument("--tokens", type=float, default=17e12, help="training token budget")
+        parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+        parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
+        train_defaults = ["--preset=large"]
+    if command in ("step", "moe"):
+        parser.add_argument("--breakdown", type=train._parse_bool, nargs="?", const=True, default=True,
+                            help="also time the phases and profile the components (--breakdown=false: skip)")
+    args, rest = parser.parse_known_args(argv)
+    own = [s for action in parser._actions for s in action.option_strings]
+    for word in rest:
+        flag = word.split("=")[0]
+        if word.startswith("--") and flag not in TRAIN_FLAGS:
+            close = difflib.get_close_matches(flag, own + TRAIN_FLAGS, n=1, cutoff=0.5)
+            parser.exit(2, f"{parser.prog}: error: unknown flag {flag}"
+                           f"{f'; did you mean {close[0]}?' if close else '; see --help'}\n")
+    tc, overrides = train.parse_args(train_defaults + rest)
+    return command, args, tc, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        if command == "plot":
+            result = bench_plot(args.out_dir)
+        else:
+            run = {"step": bench_step, "moe": bench_moe, "plan": bench_plan, "vs-hf": bench_vs_hf}[command]
+            result = run(args, tc, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    code = result.pop("exit", 0)
+    if code and "reason" in result:
+        print(f"error: {result['reason']}", file=sys.stderr)
+    if getattr(args, "json", False) and int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result, default=float))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
