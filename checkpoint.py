@@ -345,7 +345,9 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     absent. Keeps the newest `keep` complete checkpoints (keep <= 0 keeps all).
     async_save: return as soon as the tensors are copied to CPU and write them in the background.
     Returns a callable that waits for the write and marks the checkpoint complete; every rank must call it before
-    the next save and before exiting (a synchronous save is complete already and the callable does nothing)."""
+    the next save and before exiting (a synchronous save is complete already and the callable does nothing). Its
+    .done() says whether this rank's write has finished, so a loop can mark the checkpoint complete as soon as every
+    rank's has, without waiting."""
     while _pending:  # a forgotten wait() of the previous async save
         _pending.pop()()
     rank, world = _rank_world()
@@ -384,7 +386,7 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     if not async_save:
         dcp.save(tensors, checkpoint_id=tmp, no_dist=world == 1 and not dist.is_initialized())
         commit()
-        return lambda: None
+        return _complete
     group = _async_group()
     future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
 
@@ -394,8 +396,16 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
             future.result()
             commit()
 
+    wait.done = future.done
     _pending.append(wait)
     return wait
+
+
+def _complete():
+    """What a synchronous save returns: its checkpoint is complete already."""
+
+
+_complete.done = lambda: True
 
 
 def _prune(ckpt_root: str, keep: int, step: int):

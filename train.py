@@ -9,6 +9,10 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
 Each optimizer step: the rank's slice of the global batch, split into micro-batches with gradient accumulation,
 gradient clipping over the whole model, one optimizer step, then one expert-bias update from the tokens-per-expert
 counts of the whole global batch (SPEC §4). Logs go to the console and to OUT_DIR/metrics.jsonl.
+
+Under `torchrun --max-restarts=N`, a job whose rank dies restarts and resumes from the newest complete checkpoint by
+itself (--resume=auto). Launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch >= 2.5 keeps torchrun's store
+across restarts, where a restarted rank can read a dead one's address and fail to connect (pytorch/pytorch#135712).
 """
 
 import argparse
@@ -292,15 +296,20 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def _handle(self, signum, frame):
         self.requested = True
 
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([float(self.requested)], device=device)
-        return bool(parallel.all_reduce_sum_(flag).item() > 0)
+    def close(self):
+        """Give the signals back to their previous handlers (train.main may run inside another program)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def global_sums(device, *values: float) -> list[float]:
+    """Each value summed over all ranks, in one all-reduce (float64: integers below 2**53 stay exact)."""
+    return parallel.all_reduce_sum_(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
 
 class Watchdog:
@@ -309,15 +318,19 @@ class Watchdog:
 
     def __init__(self, timeout_s: float):
         self.timeout_s, self.last_beat, self.step = timeout_s, time.time(), 0
+        self.stopped = threading.Event()
         if timeout_s > 0:
             threading.Thread(target=self._watch, daemon=True).start()
 
     def beat(self, step: int):
         self.last_beat, self.step = time.time(), step
 
+    def stop(self):
+        """The run is over: a program that called train.main goes on without a timer that would kill it."""
+        self.stopped.set()
+
     def _watch(self):
-        while True:
-            time.sleep(min(5.0, self.timeout_s / 4))
+        while not self.stopped.wait(min(5.0, self.timeout_s / 4)):
             if time.time() - self.last_beat > self.timeout_s:
                 print(f"watchdog: no step completed for {self.timeout_s:.0f}s after step {self.step}; "
                       f"stacks of every thread follow, then exit 3", file=sys.stderr, flush=True)
@@ -420,20 +433,29 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             group["lr"] = lr
         if step == tc.stall_at_step and restart == 0:  # drill: a hung step, for the watchdog
             time.sleep(10 * tc.step_timeout + 60)
-        out = train_step(model, optimizer, loader.batch(step), tc, autocast, state,
-                         poison=step == tc.nan_at_step)
+        batch = loader.batch(step)
+        out = train_step(model, optimizer, batch, tc, autocast, state, poison=step == tc.nan_at_step)
+        # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write still in flight
+        # on any rank, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl).
+        preempted, writing, tokens_sum = global_sums(device, preemption.requested,
+                                                     pending is not None and not pending.done(), batch[0].sum().item())
+        if pending and not writing:  # every rank has written the last checkpoint: mark it complete now, not at the
+            pending()                # next save, so a crash loses at most ckpt_every steps
+            pending = None
         loader.step = step + 1
         watchdog.beat(step + 1)
         steps_since_log += 1
         first_loss = out["lm_loss"] if first_loss is None else first_loss
         last = step == tc.steps - 1
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
-                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"]}
+                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": int(tokens_sum)}
         if not out["finite"]:
             say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
                 f"({state['bad_steps']} in a row, {state['skipped']} in total)")
             if state["bad_steps"] >= tc.max_bad_steps:
                 newest = checkpoint.latest(ckpt_root)
+                watchdog.stop()
+                preemption.close()
                 raise RuntimeError(f"{state['bad_steps']} non-finite steps in a row, the last at step {step + 1}; "
                                    f"the last good checkpoint is {newest or 'none'}; lower --lr or inspect the data "
                                    f"of these steps, then resume")
@@ -460,7 +482,6 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         if master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        preempted = preemption.agreed(device)
         if last or preempted or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
             pending = save(step + 1, pending)
         if preempted:
@@ -486,6 +507,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         model.eval()
         sample = model.generate(prompt, tc.sample_tokens, temperature=0.8, top_k=50)[0].tolist()
         say("sample:\n" + enc.decode([t for t in sample if t < enc.n_vocab]))
+    watchdog.stop()
+    preemption.close()
     parallel.destroy()
     return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
 
