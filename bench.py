@@ -18,12 +18,12 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py plot out                             # out/metrics.jsonl -> out/metrics.png (needs matplotlib)
 
 `--json` prints the report as one JSON object on the last line. On a shared machine timings are noisy: compare the
-ratios measured side by side in one run (moe_to_dense, speedup), not milliseconds from different runs.
+ratios measured side by side in one run (moe_to_dense, speedup), not milliseconds from different runs, and add
+`--threads=1 --clock=cpu` (two OpenMP threads on two busy cores can run 100x slower than one).
 """
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import difflib
 import functools
@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import PRESETS, FeedForward, MoE, meta_model
+from model import PRESETS, FeedForward, MoE, grouped_mm_supported, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
             "plan": "memory, traffic and days for a model on a GPU layout, without allocating it",
@@ -60,12 +61,19 @@ def sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def timed_ms(fn, device: torch.device) -> float:
+# Wall time by default; `--clock=cpu` reads the process's CPU time instead, which a busy shared machine inflates far
+# less (use it with --threads=1: idle OpenMP threads spin, and that counts as CPU time too).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
+def timed_ms(fn, device: torch.device, read=None) -> float:
+    read = read or clock
     sync(device)
-    t0 = time.perf_counter()
+    t0 = read()
     fn()
     sync(device)
-    return (time.perf_counter() - t0) * 1e3
+    return (read() - t0) * 1e3
 
 
 def spread(ms: list[float]) -> dict:
@@ -203,6 +211,8 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
     ops = defaultdict(float)
     for e, label, where in resolved:
+        if on_device and e.device_type != DeviceType.CPU:
+            continue  # a kernel: its time is already in the self device time of the CPU op that launched it
         if label is None:  # inside a backward node
             label = forward_of.get((where.fwd_thread, where.sequence_nr),
                                    "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
@@ -221,7 +231,7 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
-        wall = sum(timed_ms(fn, device) for _ in range(steps)) / steps
+        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
     table, ops = attribute(prof.events(), device.type == "cuda", steps)
     return table, ops, wall
 
@@ -248,7 +258,7 @@ def time_phases(model, optimizer, step, device: torch.device, steps: int) -> dic
 
     def mark(label):
         sync(device)
-        marks.append((label, time.perf_counter()))
+        marks.append((label, clock()))
 
     all_reduce = parallel.all_reduce_sum_
 
@@ -406,16 +416,21 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             return fwd_bwd(module, x_BTD, dy_BTD, autocast)
         return run
 
-    # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients.
-    (y_g, dx_g), grads_g = variant("grouped")(), [p.grad.clone() for p in moe.experts.parameters()]
-    (y_l, dx_l), grads_l = variant("loop")(), [p.grad.clone() for p in moe.experts.parameters()]
-    diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
-    scale = max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
-    variants = ["grouped", "loop", "dense"]
+    why_not = grouped_mm_supported(x_BTD.to(dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
+    if why_not:
+        raise ValueError(f"the grouped GEMM path cannot run here: {why_not}.")
+    variants = ["grouped", "loop", "dense"] if args.loop else ["grouped", "dense"]
+    y_g, dx_g = variant("grouped")()
+    if args.loop:  # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients
+        grads_g = [p.grad.clone() for p in moe.experts.parameters()]
+        (y_l, dx_l), grads_l = variant("loop")(), [p.grad.clone() for p in moe.experts.parameters()]
+        diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
+        diff /= max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
     if world > 1:  # expert parallel over all ranks, on the same weights (same seed) and this rank's tokens
         layout = parallel.Layout(world, 1, world)
         layout.check(cfg, world, 1)
-        ep_moe = copy.deepcopy(moe)
+        ep_moe = MoE(cfg).to(device)
+        ep_moe.load_state_dict(moe.state_dict())
         ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
         ep_moe.experts.impl = "grouped"
         y_ep, _ = variant("ep")()
@@ -427,18 +442,19 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             ms = timed_ms(variant(name), device)
             if i >= args.warmup:
                 times[name].append(ms)
-    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
-              "grouped_vs_loop_max_diff": diff / scale}
+    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device)}
     for name in variants:
         result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
         result[f"{name}_ms_min"] = min(times[name])
     result["moe_to_dense"] = result["grouped_ms"] / result["dense_ms"]
-    result["loop_to_dense"] = result["loop_ms"] / result["dense_ms"]
-    for name in ("grouped", "loop", "dense"):
-        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
-            f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s on the active expert FLOPs")
-    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x   per-expert loop / dense: "
-        f"{result['loop_to_dense']:.2f}x   (grouped == loop to {diff / scale:.1e} relative)")
+    for name in variants:
+        if name != "ep":
+            say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
+                f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s on the active expert FLOPs")
+    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
+    if args.loop:
+        result.update(loop_to_dense=result["loop_ms"] / result["dense_ms"], grouped_vs_loop_max_diff=diff)
+        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to {diff:.1e} (relative)")
     if ep_moe is not None:
         result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
         result["ep_vs_local_max_diff"] = max_over_ranks(ep_diff)
@@ -731,8 +747,12 @@ def bench_plot(out_dir: str) -> dict:
         ax_grad.legend()
     ax_grad.set_ylabel("grad norm")
     vio = series("max_vio_layers")
-    for layer in range(len(vio[0][1]) if vio else 0):
-        ax_vio.plot([s for s, _ in vio], [v[layer] for _, v in vio], label=f"MoE layer {layer}")
+    first_moe = 0  # name the curves by block index when the run's config.json says where the MoE layers start
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        with open(os.path.join(out_dir, "config.json")) as f:
+            first_moe = json.load(f).get("model", {}).get("n_dense_layers", 0)
+    for i in range(len(vio[0][1]) if vio else 0):
+        ax_vio.plot([s for s, _ in vio], [v[i] for _, v in vio], label=f"layer {first_moe + i}")
     if vio:
         ax_vio.legend(ncol=4, fontsize="small")
     ax_vio.set_ylabel("MaxVio (max load / mean - 1)")
@@ -767,6 +787,10 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
 def _timing_flags(parser, warmup: int, iters: int):
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
     parser.add_argument("--iters", type=int, default=iters, help="timed steps")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default); 1 gives "
+                                                               "steadier ratios on a machine others are using")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time "
+                                                                       "(CPU only; steadier when the machine is shared)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
 
 
@@ -792,6 +816,8 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
         _timing_flags(parser, 1, 5)
         parser.add_argument("--tokens", type=int, default=2048, help="tokens through the layer (seq_len per row)")
+        parser.add_argument("--loop", type=train._parse_bool, nargs="?", const=True, default=True,
+                            help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
     elif command == "vs-hf":
         parser = _parser("vs-hf", COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.")
         _timing_flags(parser, 1, 5)
@@ -829,8 +855,14 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
 
 
 def main(argv: list[str] | None = None) -> int:
+    global clock
     command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    clock = CLOCKS[getattr(args, "clock", "wall")]
     try:
+        if clock is not CLOCKS["wall"] and torch.cuda.is_available():
+            raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
         if command == "plot":
             result = bench_plot(args.out_dir)
         else:
