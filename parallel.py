@@ -5,10 +5,12 @@ Parallelism for the plain model of model.py: HSDP (FSDP2 groups × replicas) for
 Layout (SPEC §6): one DeviceMesh [dp_replicate, efsdp, ep] with ep innermost, so an EP group is `ep` consecutive
 ranks (one node). Dense parameters are FSDP-sharded over dp_shard = efsdp × ep and replicated over dp_replicate;
 routed experts are split E/ep per EP rank, FSDP-sharded over efsdp and replicated over dp_replicate. Every rank is
-a data-parallel rank: it reads its own slice of the global batch.
+a data-parallel rank: it reads its own slice of the global batch. The Muon optimizer (SPEC §5) lives here too: it
+orthogonalises each matrix whole without any rank gathering more than its share of them.
 
     torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
     python -m pytest tests/test_parallel.py -q                                 # 8 and 2 CPU ranks vs one
+    python -m pytest tests/test_muon.py -q                                     # Muon: torch's, 8 ranks vs one
 
     rank, world, device = init_distributed()
     layout = Layout(world, dp_replicate=2, ep=4)
@@ -17,14 +19,18 @@ a data-parallel rank: it reads its own slice of the global batch.
     mesh = build_mesh(layout, device.type)
     model = build_model(model_cfg, layout, mesh, device, ac="selective", compile=True, param_dtype=torch.bfloat16)
     ...
+    optimizer = Muon([{"params": hidden_matrices, "lr_scale": 4.0}, {"params": others, "muon": False}], lr=2e-4)
     grad_norm = clip_grad_norm_(model, 1.0)
+    optimizer.step()
     all_reduce_sum_(tokens_per_expert_LE)   # the whole global batch's counts, identical on every rank
 
 Shape letters as in model.py, plus: M (token, expert) pairs on this rank sorted by expert, P peers in the EP group,
-L local experts (E / ep), R tokens received from the EP peers.
+L local experts (E / ep), R tokens received from the EP peers; for Muon, X matrices in a batch, each O x F (fan-out
+x fan-in), Q x W once turned wide (Q <= W).
 """
 
 import functools
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -37,6 +43,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.adamw import adamw
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                      noop_context_fn)
 
@@ -411,3 +418,230 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views: scaling them scales the grads
     torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Muon (SPEC §5): orthogonalised momentum for the hidden matrices, AdamW for the rest, on sharded parameters
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
+
+
+def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Orthogonalise each matrix of a batch [X, O, F] (about U Vᵀ of its SVD: singular values pushed towards 1,
+    into about [0.5, 1.5]): divide by the matrix's Frobenius norm, so every singular value is at most 1, then `steps`
+    quintic Newton-Schulz iterations in `dtype` (default: the input's). Works on the wide orientation, Q <= W, so
+    the Gram matrices are the small ones, Q x Q; the operations are torch.optim.Muon's, batched."""
+    a, b, c = coefficients
+    w_XQW = u_XOF.to(dtype or u_XOF.dtype)
+    tall = w_XQW.shape[-2] > w_XQW.shape[-1]
+    if tall:
+        w_XQW = w_XQW.mT
+    w_XQW = w_XQW / w_XQW.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram_XQQ = w_XQW @ w_XQW.mT
+        poly_XQQ = torch.baddbmm(gram_XQQ, gram_XQQ, gram_XQQ, beta=b, alpha=c)
+        w_XQW = torch.baddbmm(w_XQW, poly_XQQ, w_XQW, beta=a)
+    return w_XQW.mT if tall else w_XQW
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (the DTensor's own storage, so in-place updates reach the parameter), or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _chunk_rows(n: int, parts: int) -> list[int]:
+    """Rows of each shard when n rows are split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them."""
+    size = -(-n // parts)
+    return [max(0, min(size, n - r * size)) for r in range(parts)]
+
+
+def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
+    """How Muon reaches whole matrices of `p` (a matrix, or a stack [..., O, F] of matrices): None when this rank
+    holds whole matrices (a plain tensor, or a DTensor sharded only on stacking dims: the routed experts, split over
+    ep and then over efsdp on the expert dim), else (mesh, mesh dim) whose ranks each hold a block of rows (FSDP's
+    Shard(0) of a 2-D weight). Raises ValueError for anything else."""
+    if p.dim() < 2:
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in a Muon group, but Muon updates matrices "
+                         f"(2-D, or stacks of them); put it in a group with muon=False (AdamW).")
+    if not isinstance(p, DTensor):
+        return None
+    if any(pl.is_partial() for pl in p.placements):
+        raise ValueError(f"Muon needs reduced gradients, but a parameter of shape {tuple(p.shape)} has placements "
+                         f"{p.placements}.")
+    # _StridedShard (FSDP over an already EP-sharded dim) is not a Shard subclass on every torch; both have .dim.
+    # A mesh dim of one rank splits nothing.
+    sharded = [(mesh_dim, pl.dim) for mesh_dim, pl in enumerate(p.placements)
+               if getattr(pl, "dim", None) is not None and p.device_mesh.size(mesh_dim) > 1]
+    in_matrix = [(mesh_dim, dim) for mesh_dim, dim in sharded if dim >= p.dim() - 2]
+    if not in_matrix:
+        return None
+    if p.dim() == 2 and len(sharded) == 1 and in_matrix[0][1] == 0 and type(p.placements[in_matrix[0][0]]) is Shard:
+        return p.device_mesh, in_matrix[0][0]
+    raise ValueError(f"Muon cannot orthogonalise a parameter of shape {tuple(p.shape)} with placements "
+                     f"{p.placements}: it needs whole matrices on each rank, or a 2-D weight row-sharded (Shard(0)) "
+                     f"over one mesh dim.")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the param groups marked muon=True, AdamW for the others: one optimizer, so train.py calls one step()
+    and checkpoint.py saves one state dict keyed by parameter (momentum_buffer for Muon; step, exp_avg, exp_avg_sq
+    for AdamW, as torch.optim.AdamW), each state tensor a DTensor with its parameter's placements, so DCP reshards
+    it to any layout.
+
+    Muon on a matrix of shape [O, F] (fan-out x fan-in, nn.Linear's layout):
+        buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
+        p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
+    which is torch.optim.Muon with adjust_lr_fn="original" (SPEC §5), batched over stacked matrices. Every group's
+    effective LR is lr·lr_scale: train.py sets the same scheduled lr in every group, and lr_scale (the Muon peak
+    over the AdamW peak) gives the Muon group its own peak on the same schedule.
+
+    Sharded parameters (see muon_layout): a rank that holds whole matrices (the routed experts) orthogonalises its
+    own, in batches of same-shaped matrices, with no communication at all; row-sharded matrices (FSDP's dense
+    weights) are dealt to the ranks of their shard group, balanced by size, and go in rounds of one matrix per rank:
+    an all-to-all brings each owner the rows of its matrix, the owner orthogonalises it, a second all-to-all returns
+    the rows. HSDP replicas repeat the same work on identical gradients. `gathered` records the last step on this
+    rank: the "elements" and "matrices" it assembled whole from the group's rows, and "peak", the most elements it
+    held assembled at once (one matrix)."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, ns_coefficients: tuple = NS_COEFFICIENTS,
+                 ns_eps: float = 1e-7, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
+                 ns_dtype: torch.dtype | None = None):
+        defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps,
+                        betas=tuple(betas), eps=eps, fused=fused)
+        super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
+        self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
+        self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
+        for group in self.param_groups:
+            if group["muon"]:
+                for p in group["params"]:
+                    muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
+
+    def _ns(self, u_XOF: torch.Tensor, group: dict) -> torch.Tensor:
+        dtype = self.ns_dtype or (torch.bfloat16 if u_XOF.is_cuda else torch.float32)
+        return newton_schulz(u_XOF, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], dtype)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
+        lr = group["lr"] * group["lr_scale"]
+        rows, cols = p.shape[-2:]
+        mine = _local(p)
+        mine.mul_(1 - lr * group["weight_decay"])
+        mine.add_(o_XOF.reshape(mine.shape).to(mine.dtype), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
+        local, sharded = [], {}  # [(param, update, group)], and (mesh, mesh dim) -> [(param, its rows, group)]
+        for group in self.param_groups:
+            if not group["muon"]:
+                self._adamw(group)
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                g, buf = _local(p.grad), _local(state["momentum_buffer"])
+                buf.lerp_(g, 1 - group["momentum"])
+                u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                where = muon_layout(p)
+                if where is None:
+                    local.append((p, u, group))
+                else:
+                    sharded.setdefault(where, []).append((p, u, group))
+        self._orthogonalise_local(local)
+        for (mesh, mesh_dim), items in sharded.items():
+            self._orthogonalise_sharded(items, mesh, mesh_dim)
+        return loss
+
+    def _orthogonalise_local(self, items: list):
+        """Whole matrices on this rank, no communication: same-shaped ones (every layer's q_proj, every local
+        expert's gate_up_proj) stacked into batches of up to batch_elements, one Newton-Schulz per batch (few large
+        kernels instead of many small ones)."""
+        by_kind: dict = {}
+        for p, u, group in items:
+            key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            by_kind.setdefault(key, []).append((p, u.reshape(-1, *u.shape[-2:]), group))
+        for same in by_kind.values():
+            while same:
+                take, size = 0, 0
+                while take < len(same) and (take == 0 or size + same[take][1].numel() <= self.batch_elements):
+                    size += same[take][1].numel()
+                    take += 1
+                batch, same = same[:take], same[take:]
+                o_XOF = self._ns(torch.cat([u for _, u, _ in batch]), batch[0][2])
+                for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
+                    self._apply(p, o, group)
+
+    def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
+        """Row-sharded matrices over one mesh dim: each rank of the group orthogonalises its share, one matrix per
+        round (all-to-all of rows in, Newton-Schulz, all-to-all of rows out)."""
+        group_pg, S, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        rows = [_chunk_rows(p.shape[0], S) for p, _, _ in items]
+        for (p, u, _), r in zip(items, rows):
+            if u.shape[0] != r[me]:
+                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
+                                   f"{S}, not the {r[me]} of a torch.chunk split; Muon cannot reassemble it.")
+        # Largest first to the least loaded rank: each rank's share is within one matrix of the mean.
+        load, owned = [0] * S, [[] for _ in range(S)]
+        for i in sorted(range(len(items)), key=lambda i: -items[i][0].numel()):
+            owner = min(range(S), key=lambda r: load[r])
+            load[owner] += items[i][0].numel()
+            owned[owner].append(i)
+        device = items[0][1].device
+        dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        for rnd in range(max(len(o) for o in owned)):
+            todo = [o[rnd] if rnd < len(o) else None for o in owned]  # the matrix each rank orthogonalises now
+            send = [items[i][1].reshape(-1).to(dtype) if i is not None else torch.empty(0, dtype=dtype, device=device)
+                    for i in todo]
+            send_splits = [t.numel() for t in send]
+            mine = todo[me]
+            cols = items[mine][0].shape[1] if mine is not None else 0
+            recv_splits = [n * cols for n in rows[mine]] if mine is not None else [0] * S
+            full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+            dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
+            if mine is not None:
+                p, _, group = items[mine]
+                self.gathered["elements"] += full.numel()
+                self.gathered["matrices"] += 1
+                self.gathered["peak"] = max(self.gathered["peak"], full.numel())
+                full = self._ns(full.view(1, *p.shape), group).reshape(-1)
+            back = torch.empty(sum(send_splits), dtype=dtype, device=device)
+            dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
+            del full
+            for o, i in zip(back.split(send_splits), todo):
+                if i is not None:
+                    self._apply(items[i][0], o, items[i][2])
+
+    def _adamw(self, group: dict):
+        """torch's AdamW (its functional form, fused where asked) on this rank's shards."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                # As torch.optim.AdamW: a CPU step count, or one on the parameter's device for the fused kernel.
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=_local(p).device if group["fused"] else "cpu")
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if params:
+            beta1, beta2 = group["betas"]
+            adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=group["fused"] or None, amsgrad=False,
+                  beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)

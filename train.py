@@ -66,6 +66,12 @@ class TrainConfig:
     weight_decay: float = _flag(0.1, "AdamW weight decay on matrices (not norms or biases)")
     beta1: float = _flag(0.9, "AdamW beta1")
     beta2: float = _flag(0.95, "AdamW beta2")
+    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, shared and "
+                                    "routed experts) and AdamW at --lr for the embedding, head, router and norms "
+                                    "(SPEC §5)")
+    muon_lr: float = _flag(2e-2, "peak LR of the Muon matrices, on --lr's schedule; each matrix's step is scaled "
+                                 "by sqrt(max(1, fan_out/fan_in))")
+    muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
     grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
     seed: int = _flag(0, "seed for initialisation and data order")
     # expert load balancing (SPEC §4)
@@ -191,11 +197,28 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 
 def build_optimizer(model, tc: TrainConfig, fused: bool):
-    """AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
+    """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
+    --optimizer=muon (SPEC §5): parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
+    routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
+    and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
+    couple and equalise whatever each expert's load (AdamW keeps them independent)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if tc.optimizer == "adamw":
+        decay = [p for _, p in params if p.dim() >= 2]
+        no_decay = [p for _, p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
+    if tc.optimizer != "muon":
+        raise ValueError(f"--optimizer={tc.optimizer} is not one of adamw, muon.")
+    if tc.lr <= 0:
+        raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
+    hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]
+    ids = {id(p) for p in hidden}
+    groups = [{"params": hidden, "muon": True, "lr_scale": tc.muon_lr / tc.lr, "weight_decay": tc.weight_decay},
+              {"params": [p for _, p in params if p.dim() >= 2 and id(p) not in ids], "muon": False,
+               "weight_decay": tc.weight_decay},
+              {"params": [p for _, p in params if p.dim() < 2], "muon": False, "weight_decay": 0.0}]
+    return parallel.Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)
 
 
 def moe_layers(model) -> list:
