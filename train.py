@@ -398,10 +398,6 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world}
     say(json.dumps(resolved, indent=1))
     say(layout.describe(cfg.n_experts))
-    if master:
-        os.makedirs(tc.out_dir, exist_ok=True)
-        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
-            json.dump(resolved, f, indent=1)
 
     # --- model: built on meta, sharded, then initialised shard by shard
     mesh = parallel.build_mesh(layout, device.type)
@@ -432,6 +428,10 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         state["momentum"].copy_(torch.as_tensor(saved["momentum"]))
         loader.load_state_dict(saved["data"])
         say(f"resumed from {resume_from} at step {state['step']}")
+    if master:  # after the resume check, so a refused resume leaves the run's config.json alone
+        os.makedirs(tc.out_dir, exist_ok=True)
+        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
+            json.dump(resolved, f, indent=1)
 
     def save(step: int, pending):
         if pending:
@@ -448,8 +448,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     preemption, watchdog = Preemption(), Watchdog(tc.step_timeout)
     first_loss = val_loss = out = pending = None
     t_start = t_last = time.time()
-    steps_since_log = 0
-    for step in range(state["step"], tc.steps):
+    steps_since_log, start_step = 0, state["step"]
+    for step in range(start_step, tc.steps):
         state["step"] = step
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
@@ -482,8 +482,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
                 raise RuntimeError(f"{state['bad_steps']} non-finite steps in a row, the last at step {step + 1}; "
                                    f"the last good checkpoint is {newest or 'none'}; lower --lr or inspect the data "
                                    f"of these steps, then resume")
-        if (step + 1) % tc.log_every == 0 or last or step == state.get("first_step", step):
-            state["first_step"] = state.get("first_step", step)
+        if (step + 1) % tc.log_every == 0 or last or step == start_step:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = (time.time() - t_last) / steps_since_log
@@ -492,7 +491,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             mfu = tok_s * flops_per_token / (peak * 1e12 * world) if peak else None
             mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             bal = balance_metrics(out["counts_LE"], layers)
-            eta = (time.time() - t_start) / (step + 1 - state["first_step"]) * (tc.steps - step - 1)
+            eta = (time.time() - t_start) / (step + 1 - start_step) * (tc.steps - step - 1)
             record.update(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=state["skipped"], **bal)
             say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad {out['grad_norm']:.3f}"
                 f" | {tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
@@ -519,7 +518,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     # --- summary and a sample
     elapsed = time.time() - t_start
     if out is not None:
-        say(f"done: {state['step'] + 1 - state.get('first_step', 0)} steps, "
+        say(f"done: {state['step'] + 1 - start_step} steps, "
             f"{(state['step'] + 1) * tokens_per_step:,} tokens seen in all, {elapsed:.0f}s; "
             f"loss {first_loss:.3f} -> {out['loss']:.3f}, val loss {val_loss if val_loss is None else round(val_loss, 3)}; "
             f"outputs in {tc.out_dir}/")
