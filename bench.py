@@ -241,7 +241,8 @@ def print_components(table: dict, wall_ms: float, say, what: str):
         f"created it, recomputation under AC counted as forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
-        say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} {100 * row['total'] / wall_ms:5.1f}%")
+        share = 100 * row["total"] / wall_ms
+        say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} {share:5.1f}%")
     accounted = sum(row["total"] for row in table.values())
     say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {wall_ms - accounted:9.2f}"
         f" {100 * (wall_ms - accounted) / wall_ms:5.1f}%   of {wall_ms:.1f} ms profiled")
@@ -704,7 +705,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     first_diff = abs(losses["ours"] - losses["hf"])
     times = defaultdict(list)
     for i in range(args.warmup + args.iters):
-        for name, fn in (("ours", step_ours), ("hf", step_hf)) if i % 2 == 0 else (("hf", step_hf), ("ours", step_ours)):
+        pair = (("ours", step_ours), ("hf", step_hf))
+        for name, fn in pair if i % 2 == 0 else pair[::-1]:  # alternate who goes first
             ms = timed_ms(fn, device)
             if i >= args.warmup:
                 times[name].append(ms)
@@ -789,8 +791,8 @@ def _timing_flags(parser, warmup: int, iters: int):
     parser.add_argument("--iters", type=int, default=iters, help="timed steps")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default); 1 gives "
                                                                "steadier ratios on a machine others are using")
-    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time "
-                                                                       "(CPU only; steadier when the machine is shared)")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
 
 
@@ -810,7 +812,8 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser.add_argument("out_dir", help="a train.py --out_dir holding metrics.jsonl")
         return command, parser.parse_args(argv), None, {}
     if command == "step":
-        parser = _parser("", "Time train.py's training step on synthetic tokens. " + __doc__.split("\n\n")[0].strip())
+        parser = _parser("", "Time train.py's training step on synthetic tokens. Other commands: "
+                             + ", ".join(COMMANDS) + " (bench.py COMMAND --help).")
         _timing_flags(parser, 2, 5)
     elif command == "moe":
         parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
