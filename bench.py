@@ -860,8 +860,8 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
 def main(argv: list[str] | None = None) -> int:
     global clock
     command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
-    if getattr(args, "threads", 0):
-        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(getattr(args, "threads", 0) or threads)
     clock = CLOCKS[getattr(args, "clock", "wall")]
     try:
         if clock is not CLOCKS["wall"] and torch.cuda.is_available():
@@ -874,6 +874,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
     code = result.pop("exit", 0)
     if code and "reason" in result:
         print(f"error: {result['reason']}", file=sys.stderr)

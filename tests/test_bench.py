@@ -32,6 +32,8 @@ SEED_LAYOUT = ["plan", "--preset=large", "--gpus=2048", "--dp_replicate=16", "--
 
 
 def run_json(capsys, argv) -> tuple[int, dict]:
+    """bench.main's exit code and the JSON object on its last line. The timed commands run on one thread: two on a
+    2-core machine that others are using can be 100x slower (bench.py's docstring)."""
     code = bench.main(argv)
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -106,7 +108,15 @@ def saved_activation_bytes(model, tokens_BT) -> int:
     return sum(seen.values())
 
 
-def test_plan_memory_matches_a_real_model():
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_plan_memory_matches_a_real_model(one_thread):
     tc = train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, seq_len=SEQ)
     model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"))
     optimizer = train.build_optimizer(model, tc, fused=False)
@@ -162,7 +172,7 @@ def test_plan_memory_matches_two_fsdp_ranks(tmp_path):
 
 def test_moe_reports_the_three_paths_and_they_agree(capsys):
     code, out = run_json(capsys, ["moe", *TINY_MODEL_FLAGS, "--tokens=256", "--seq_len=64", "--iters=1",
-                                  "--warmup=0", "--json"])
+                                  "--warmup=0", "--threads=1", "--json"])
     assert code == 0
     for key in ("grouped_ms", "loop_ms", "dense_ms", "moe_to_dense"):
         assert out[key] > 0, key
@@ -174,7 +184,7 @@ def test_moe_reports_the_three_paths_and_they_agree(capsys):
 
 def test_vs_hf_times_both_on_the_same_config(capsys):
     code, out = run_json(capsys, ["vs-hf", *TINY_MODEL_FLAGS, "--vocab_size=512", "--seq_len=32", "--iters=1",
-                                  "--warmup=0", "--json"])
+                                  "--warmup=0", "--threads=1", "--json"])
     assert code == 0 and out["ours_ms"] > 0 and out["hf_ms"] > 0
     assert out["speedup"] == pytest.approx(out["hf_ms"] / out["ours_ms"])
     assert out["first_loss_diff"] < 1e-4  # the same weights give the same LM loss: the same model was timed
@@ -182,7 +192,8 @@ def test_vs_hf_times_both_on_the_same_config(capsys):
 
 def test_training_step_report(capsys):
     code, out = run_json(capsys, ["--preset=tiny", *TINY_MODEL_FLAGS, "--vocab_size=512", "--seq_len=32",
-                                  "--global_batch=4", "--micro_batch=2", "--warmup=1", "--iters=2", "--json"])
+                                  "--global_batch=4", "--micro_batch=2", "--warmup=1", "--iters=2", "--threads=1",
+                                  "--json"])
     assert code == 0
     for key in ("ms_median", "ms_min", "ms_max", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
                 "peak_mem_gib", "flops_per_token"):
