@@ -528,14 +528,15 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
 
 
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
-         compute_bytes: int = 2, grad_sync: str = "last") -> dict:
+         compute_bytes: int = 2, grad_sync: str = "every") -> dict:
     """Per-GPU memory (bytes), FLOPs per token and bytes moved per optimizer step for `cfg` on `layout`, as
     parallel.py shards it: FSDP units are each block's dense parameters and the root (embedding, final norm, head)
     over dp_shard = S ranks, and each MoE layer's routed experts, E/ep per EP rank, over efsdp = S/ep ranks;
     replicated dp_replicate times. Mixed precision as train.py on GPU: fp32 master weights, gradients and AdamW
-    state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "last" as train.train_step
-    does (set_requires_gradient_sync only on the last micro-batch, so FSDP2 keeps the unsharded fp32 gradients of
-    every unit between micro-batches), "every" (reduce-scatter each micro-batch)."""
+    state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "every" as train.train_step
+    does (reduce-scatter each micro-batch, all-reduce across replicas on the last), "last" (FSDP2's
+    set_requires_gradient_sync on the last micro-batch only, which keeps every unit's unsharded fp32 gradients
+    between micro-batches)."""
     layout.check(cfg, global_batch, micro_batch)
     model = meta_model(cfg)
     W, R, S, Fs, ep = layout.world, layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep
@@ -637,8 +638,8 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
     print(f"time: {args.tokens:.3g} tokens at {100 * args.mfu:.0f}% MFU on {args.gpus} x {args.gpu}: {days:.1f} days "
           f"({args.tokens / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
     if not result["fits"]:
-        hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches because "
-                "train.train_step reduce-scatters only on the last one (--grad_sync=every plans without them)"
+        hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
+                "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
                 if "unsharded gradients held across micro-batches" in p["memory_bytes"] else
                 "; try --ac=full or --ac=selective, more GPUs per replica (lower --dp_replicate), or a smaller "
                 "--micro_batch")
@@ -835,9 +836,9 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per forward")
         parser.add_argument("--gpu", choices=GPUS, default="b300", help="GPU kind: peak bf16 TFLOP/s and memory")
         parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
-        parser.add_argument("--grad_sync", choices=("last", "every"), default="last",
-                            help="gradient reduce-scatter under accumulation: last = as train.train_step does it "
-                                 "(unsharded gradients held between micro-batches) | every micro-batch")
+        parser.add_argument("--grad_sync", choices=("last", "every"), default="every",
+                            help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) "
+                                 "| last (unsharded gradients held between micro-batches)")
         parser.add_argument("--tokens", type=float, default=17e12, help="training token budget")
         parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
         parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")

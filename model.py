@@ -383,7 +383,8 @@ class MoE(nn.Module):
 
     def route(self, x_ND):
         """Returns (expert ids [N, K], gate weights [N, K], sigmoid scores [N, E], router logits [N, E])."""
-        logits_NE = F.linear(x_ND.float(), self.router.weight.float())  # fp32 router (SPEC §3)
+        with torch.autocast(x_ND.device.type, enabled=False):  # fp32 router (SPEC §3), also under autocast
+            logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
         _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
         gates_NK = scores_NE.gather(-1, experts_NK)  # unbiased scores, normalised over the chosen k

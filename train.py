@@ -127,7 +127,7 @@ def _parse_bool(text: str) -> bool:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         flags = [a for action in self._actions for a in action.option_strings]
-        for word in message.replace(",", " ").split():
+        for word in ([] if message.startswith("argument ") else message.replace(",", " ").split()):
             if word.startswith("--") and word.split("=")[0] not in flags:
                 close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.5)
                 if close:
@@ -263,8 +263,10 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
     losses = torch.zeros(3, device=device)  # lm, aux, z
     for i in range(n_micro):
         rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce gradients on the last micro-batch only
-            model.set_requires_gradient_sync(i == n_micro - 1)
+        if hasattr(model, "set_requires_all_reduce"):
+            # FSDP reduce-scatters every micro-batch (holding unsharded gradients across micro-batches would cost
+            # a full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
+            model.set_requires_all_reduce(i == n_micro - 1)
         with autocast:
             _, lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
                                doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
