@@ -2,6 +2,9 @@
 
 import glob
 import os
+import signal
+import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -21,3 +24,21 @@ def corpus_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("corpus"))
     data.prepare(files, out_dir=out, val_fraction=0.1, workers=1, quiet=True)
     return out
+
+
+def torchrun(nproc: int, *args: str, timeout_s: int = 400):
+    """Run `python -m torch.distributed.run --nproc_per_node=nproc ARGS` from the repository root on gloo ranks; kill
+    the whole process group if it hangs, so nothing is left running, and fail with the end of its output."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{nproc}-rank run did not finish in {timeout_s}s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{nproc}-rank run failed:\n{output[-6000:]}"

@@ -8,9 +8,6 @@ The multi-rank runs are this file under torchrun (`python -m torch.distributed.r
 tests/test_muon.py OUT_DIR`); one launch runs both layouts."""
 
 import math
-import os
-import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -23,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import checkpoint
 import parallel
 import train
-from conftest import TINY_MODEL_FLAGS
+from conftest import TINY_MODEL_FLAGS, torchrun
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,21 +184,8 @@ def worker(out: Path):
         parallel.destroy()
 
 
-def launch(nproc, out, timeout_s=400):
-    """Run the worker under torchrun; kill the whole process group if it hangs, so nothing is left running."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(Path(__file__).resolve()), str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{nproc}-rank run did not finish in {timeout_s}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, f"{nproc}-rank run failed:\n{output[-6000:]}"
+def launch(nproc, out):
+    torchrun(nproc, str(Path(__file__).resolve()), str(out))
 
 
 @pytest.fixture(scope="module")

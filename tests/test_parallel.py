@@ -7,9 +7,6 @@ The multi-rank runs are this file run under torchrun (`python -m torch.distribut
 --nproc_per_node=8 tests/test_parallel.py eight OUT_DIR`); one launch loops over several layouts, because starting
 8 torch processes on a 2-core machine costs more than the training."""
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from model import ModelConfig, Transformer
+from conftest import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
@@ -164,21 +162,8 @@ def worker(mode):
 # ------------------------------------------------------------------------------------------------------------------
 # The tests
 
-def launch(nproc, mode, out, timeout_s=400):
-    """Run the worker under torchrun; kill the whole process group if it hangs, so nothing is left running."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(Path(__file__).resolve()), mode, str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{nproc}-rank run did not finish in {timeout_s}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, f"{nproc}-rank run failed:\n{output[-6000:]}"
+def launch(nproc, mode, out):
+    torchrun(nproc, str(Path(__file__).resolve()), mode, str(out))
 
 
 @pytest.fixture(scope="module")
