@@ -69,7 +69,7 @@ class TrainConfig:
     optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, shared and "
                                     "routed experts) and AdamW at --lr for the embedding, head, router and norms "
                                     "(SPEC §5)")
-    muon_lr: float = _flag(2e-2, "peak LR of the Muon matrices, on --lr's schedule; each matrix's step is scaled "
+    muon_lr: float = _flag(5e-2, "peak LR of the Muon matrices, on --lr's schedule; each matrix's step is scaled "
                                  "by sqrt(max(1, fan_out/fan_in))")
     muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
     grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
