@@ -23,7 +23,6 @@ import train
 from conftest import TINY_MODEL_FLAGS, torchrun
 from model import ModelConfig, Transformer
 
-ROOT = Path(__file__).resolve().parent.parent
 # 12 experts: on R2_S4_ep2 each rank holds 3 whole experts, on R1_S8_ep2 the efsdp shards are 2, 2, 2 and 0 experts.
 # dense_hidden 100: the dense FFN's rows split unevenly over 8 ranks (13 x 7 + 9).
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_dense_layers=1, dense_hidden=100, n_heads=4, n_kv_heads=2,
@@ -184,10 +183,6 @@ def worker(out: Path):
         parallel.destroy()
 
 
-def launch(nproc, out):
-    torchrun(nproc, str(Path(__file__).resolve()), str(out))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The single-process run, the 8-rank runs and a single process resumed from the 8-rank checkpoint."""
@@ -197,7 +192,7 @@ def runs(tmp_path_factory):
     tokens = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1),
                            generator=torch.Generator().manual_seed(1))
     torch.save({"state_dict": model.state_dict(), "tokens": tokens}, out / "init.pt")
-    launch(8, out)
+    torchrun(8, str(Path(__file__).resolve()), str(out))
     optimizer = make_optimizer(model)
     for step in range(STEPS):
         train_step(model, optimizer, tokens[step], 0, 1)
