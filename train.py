@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     tc = TrainConfig(**{k: v for k, v in args.items() if k in {f.name for f in fields(TrainConfig)}})
     for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
                           ("balance", ("smebu", "sign", "none")), ("ac", ("none", "full", "selective")),
-                          ("dtype", ("auto", "bf16", "fp32"))):
+                          ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon"))):
         if getattr(tc, name) not in allowed:
             parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
     return tc, overrides
