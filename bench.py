@@ -396,15 +396,18 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     torch.manual_seed(tc.seed)
     moe = MoE(cfg).to(device)
     init_(moe, cfg.init_std)
-    dense = FeedForward(D, K * I + shared_hidden).to(device)  # the same active FLOPs as the routed + shared experts
+    # The dense SwiGLU does the MoE layer's active matmul FLOPs (SPEC §7): k routed experts, the shared expert and
+    # the router, whose D x E matmul costs what E/3 more hidden units of a SwiGLU do.
+    dense_hidden = K * I + shared_hidden + round(E / 3)
+    dense = FeedForward(D, dense_hidden).to(device)
     init_(dense, cfg.init_std)
     torch.manual_seed(tc.seed + 1 + rank)  # each rank its own tokens (the expert-parallel path mixes them)
     x_BTD = torch.randn(N // T, T, D, device=device)
     dy_BTD = torch.randn(N // T, T, D, device=device)
-    flops = 6 * N * 3 * D * (K * I + shared_hidden)  # fwd + bwd of the expert matmuls; the router adds 6·N·D·E
+    flops = 6 * N * D * 3 * dense_hidden  # fwd + bwd of the active matmuls
     say(f"moe: {tc.preset} shapes d_model {D}, {E} experts top-{K}, expert hidden {I}, shared hidden {shared_hidden}; "
-        f"dense SwiGLU hidden {K * I + shared_hidden}; {N} tokens ({N // T} x {T}); {dtype or torch.float32} on "
-        f"{device_name(device)}; router matmul = {100 * E / (3 * (K * I + shared_hidden)):.0f}% of the expert FLOPs")
+        f"{N} tokens ({N // T} x {T}); {dtype or torch.float32} on {device_name(device)}; the same active FLOPs as a "
+        f"dense SwiGLU of hidden {dense_hidden} (router {100 * E / (3 * dense_hidden):.0f}% of them)")
 
     ep_moe = None
 
@@ -451,7 +454,7 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     for name in variants:
         if name != "ep":
             say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
-                f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s on the active expert FLOPs")
+                f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s on the active FLOPs")
     say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
     if args.loop:
         result.update(loop_to_dense=result["loop_ms"] / result["dense_ms"], grouped_vs_loop_max_diff=diff)
@@ -657,7 +660,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
     import checkpoint
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, _, device = parallel.init_distributed()
     autocast, dtype = autocast_for(tc, device)
     tc = dataclasses.replace(tc, doc_mask=False)  # AfmoeForCausalLM has no intra-document masking
     cfg = model_config(tc, overrides)

@@ -327,11 +327,12 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
             _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
         impl = "loop" if why_not else "grouped"
     dtype = x_ND.dtype
-    if impl == "loop":
+    if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
         outputs = []
-        for e, x_nD in enumerate(torch.split(x_ND, counts_E.tolist())):
-            gate_nI, up_nI = F.linear(x_nD, gate_up_EHD[e].to(dtype)).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_EDI[e].to(dtype)))
+        for x_nD, gate_up_HD, down_DI in zip(torch.split(x_ND, counts_E.tolist()), gate_up_EHD.unbind(0),
+                                             down_EDI.unbind(0)):
+            gate_nI, up_nI = F.linear(x_nD, gate_up_HD.to(dtype)).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_DI.to(dtype)))
         return torch.cat(outputs)
     if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
         x_ND, gate_up_EHD, down_EDI = x_ND.bfloat16(), gate_up_EHD.bfloat16(), down_EDI.bfloat16()
@@ -341,6 +342,29 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
     gate_NI, up_NI = mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E).chunk(2, dim=-1)
     return mm(F.silu(gate_NI) * up_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[index] where index takes every row of x the same number of times k, given `inverse`, the permutation with
+    index[inverse] grouping the copies of each row together (row n's copies at n*k .. n*k+k-1). The backward is
+    then a gather and a sum over k; autograd's own backward for x[index] is a scatter-add, several times slower
+    on CPU."""
+
+    @staticmethod
+    def forward(ctx, x_ND, index_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        ctx.n_rows = x_ND.shape[0]
+        return x_ND.index_select(0, index_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (inverse_M,) = ctx.saved_tensors
+        grad_NkD = grad_MD.index_select(0, inverse_M).view(ctx.n_rows, -1, grad_MD.shape[-1])
+        return grad_NkD.sum(1) if grad_NkD.shape[1] > 1 else grad_NkD.squeeze(1), None, None
+
+
+def gather_rows(x_ND, index_M, inverse_M):
+    return _GatherRows.apply(x_ND, index_M, inverse_M)
 
 
 class GroupedExperts(nn.Module):
@@ -401,12 +425,14 @@ class MoE(nn.Module):
         self.aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else None
         self.z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else None
 
-        # Sort the N*K (token, expert) pairs by expert, run each expert on its contiguous slice, scatter back.
+        # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows, put the
+        # rows back in (token, choice) order and mix each token's K outputs with its gates (a batched [1,K]x[K,D]).
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
-        token_M = order_M // self.top_k
-        y_MD = self.experts(x_ND[token_M], counts_E)
-        y_MD = y_MD * gates_NK.flatten()[order_M, None].to(y_MD.dtype)
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+        inverse_M = torch.empty_like(order_M)
+        inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
+        y_MD = self.experts(gather_rows(x_ND, order_M // self.top_k, inverse_M), counts_E)
+        y_NKD = gather_rows(y_MD, inverse_M, order_M).view(B * T, self.top_k, D)
+        y_ND = torch.bmm(gates_NK.unsqueeze(1).to(y_NKD.dtype), y_NKD).squeeze(1).to(x_ND.dtype)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D)
@@ -414,8 +440,8 @@ class MoE(nn.Module):
     def balance_loss(self, experts_NK, scores_NE, B, T):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i (SPEC §4)."""
         E, K = self.n_experts, self.top_k
-        chosen_BTE = torch.zeros(B * T, E, device=scores_NE.device).scatter_(1, experts_NK, 1.0).view(B, T, E)
-        f_BE = chosen_BTE.sum(1) * (E / (K * T))
+        sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
+        f_BE = torch.bincount((sequence_NK * E + experts_NK).flatten(), minlength=B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
         return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
