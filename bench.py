@@ -300,7 +300,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
                                  param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
-    optimizer = train.build_optimizer(model, tc, fused=device.type == "cuda")
+    optimizer = train.build_optimizer(model, tc)
     state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device),
              "skipped": 0, "bad_steps": 0}
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
@@ -494,34 +494,35 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
 
     Per token, with c bytes per compute element (2 bf16, 4 fp32), flash-style attention (no T x T matrix; the boolean
     masks of CPU's exact path are not counted) and balanced routing (an EP rank receives K tokens per token):
-      RMSNorm of width w             8w      its fp32 input and fp32 normalised output
-      attention                      cD (pre-norm output, the q/k/v/gate input) + 8(Hd + Gd) (q/k norms)
+      RMSNorm of width w             cw + 4  its input and one fp32 scale per row
+      attention                      cD (pre-norm output, the q/k/v/gate input) + c(Hd + Gd) + 4(H + G) (q/k norms)
                                      + c(Hd + 2Gd) (q, k, v) + c·Hd + 4H (output, fp32 log-sum-exp)
                                      + 3c·Hd (output reshaped, sigmoid(gate), their product = o_proj input)
       SwiGLU of hidden F             4cF     gate (silu input), silu output, up, product (down input)
-      router                         2cE     logits (z-loss) and sigmoid scores (gates, balance loss)
-                                     + cD    its input cast to bf16 (fp32: shares the FFN input)
-      routed experts, per K pairs    c(2D + 4I) + 2c + 24: gathered input, gate_up output (2I), silu output, product,
-                                     expert output; gate weight twice; three int64 index vectors
+      router                         8E      fp32 logits (z-loss) and sigmoid scores (gates, balance loss)
+                                     + 4D    its input cast to fp32 (with c = 4 it shares the FFN input)
+      routed experts, per K pairs    c(D + 5I) + 20: gathered input, gate_up output (2I), silu output, product,
+                                     product x gate (the down input); the fp32 gate; two int64 index vectors
       block                          4 norms of D, cD FFN input, attention, then SwiGLU or router + experts + shared
-      head                           8D + cD + 4V   final norm, head input, fp32 log-softmax; 8V transient gradients
+      head                           cD + 4 + cD + 4V   final norm, head input, fp32 log-softmax; 8V transient
+                                     gradients
     selective AC keeps the block input and the outputs of matmuls, attention and all-to-alls (parallel._sac_policy):
-      cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router cE + experts K·c(2I + D)
+      cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router 4E + experts K·c(2I + D)
       + shared c(2Is + D) + 2K·cD with ep > 1; full AC keeps the block input cD."""
     D, H, G, Dh, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     E, K, I, Is = cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.expert_hidden * cfg.n_shared_experts
     Hd, Gd = H * Dh, G * Dh
-    attn = c * D + 8 * (Hd + Gd) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
+    attn = c * D + c * (Hd + Gd) + 4 * (H + G) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
     attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
-    experts = (c * D if c == 2 else 0) + 2 * c * E + K * (c * (2 * D + 4 * I) + 2 * c + 24) + 4 * c * Is
-    experts_sel = c * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
+    experts = (4 * D if c == 2 else 0) + 8 * E + K * (c * (D + 5 * I) + 20) + 4 * c * Is
+    experts_sel = 4 * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
     full_layer, sel_layer = [], []
     for layer in range(cfg.n_layers):
         moe = cfg.is_moe(layer)
-        full_layer.append(4 * 8 * D + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
+        full_layer.append(4 * (c * D + 4) + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
         sel_layer.append(c * D + attn_sel + (experts_sel if moe else c * (2 * cfg.dense_hidden + D)))
     tokens = micro_batch * seq
-    head, head_transient = 8 * D + c * D + 4 * V, 8 * V
+    head, head_transient = (c * D + 4) + c * D + 4 * V, 8 * V
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     recompute = max(full_layer)
@@ -672,8 +673,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
                                          if k not in ("model_type", "architectures")}, use_cache=False)
     hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
-    fused = device.type == "cuda"
-    opt_ours, opt_hf = train.build_optimizer(ours, tc, fused), train.build_optimizer(hf, tc, fused)
+    # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
+    opt_ours, opt_hf = train.build_optimizer(ours, tc), train.build_optimizer(hf, tc)
     state = {"step": 0, "momentum": torch.zeros(len(ours.moe_layers()), cfg.n_experts, device=device),
              "skipped": 0, "bad_steps": 0}
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)

@@ -164,6 +164,30 @@ def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # Building blocks
 
+class _RMSNorm(torch.autograd.Function):
+    """weight * x / rms(x) over the last dim, in fp32, cast back to x's dtype. The backward is written out: a
+    third of the passes over x that autograd makes through the six ops of the forward, and only x and one scalar
+    per row are saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (weight * (x32 * rstd)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        dy = dy.float()
+        d_weight = torch.linalg.vecdot(dy.flatten(0, -2), x_hat.flatten(0, -2), dim=0)
+        g = dy * weight.float()
+        # d(x_hat)/dx projects out the component along x_hat: dx = rstd * (g - x_hat * mean(g * x_hat))
+        dx = torch.addcmul(g, x_hat, torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1), value=-1 / x.shape[-1])
+        return dx.mul_(rstd).to(x.dtype), d_weight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """Computed in fp32 and cast back, as transformers' AfmoeRMSNorm does."""
 
@@ -173,9 +197,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def rope_cos_sin(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,54 +339,38 @@ def _grouped_mm(x_ND, w_EDO, offs_E):
 _grouped_mm_eager = torch.compiler.disable(_grouped_mm)
 
 
-def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto"):
-    """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each).
-    gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is [E, D, I]. `impl`: "grouped" (torch grouped GEMM),
-    "loop" (one matmul per expert, the reference) or "auto" (grouped where it runs, else the loop, with a warning)."""
+def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
+    """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each), each row
+    times scale_N if given (the router's gates: applied to the I-wide activation before the down projection, the
+    same as scaling the D-wide output but cheaper). gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is
+    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference) or "auto"
+    (grouped where it runs, else the loop, with a warning)."""
     if impl == "auto":
         why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
             _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
         impl = "loop" if why_not else "grouped"
     dtype = x_ND.dtype
+
+    def swiglu(gate_up_NH):
+        gate_NI, up_NI = gate_up_NH.chunk(2, dim=-1)
+        act_NI = F.silu(gate_NI) * up_NI
+        return act_NI if scale_N is None else act_NI * scale_N.to(act_NI.dtype).unsqueeze(-1)
+
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
-        outputs = []
-        for x_nD, gate_up_HD, down_DI in zip(torch.split(x_ND, counts_E.tolist()), gate_up_EHD.unbind(0),
-                                             down_EDI.unbind(0)):
-            gate_nI, up_nI = F.linear(x_nD, gate_up_HD.to(dtype)).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_DI.to(dtype)))
-        return torch.cat(outputs)
+        rows = counts_E.tolist()
+        act_NI = swiglu(torch.cat([F.linear(x_nD, w_HD.to(dtype))
+                                   for x_nD, w_HD in zip(x_ND.split(rows), gate_up_EHD.unbind(0))]))
+        return torch.cat([F.linear(act_nI, w_DI.to(dtype)) for act_nI, w_DI in zip(act_NI.split(rows),
+                                                                                   down_EDI.unbind(0))])
     if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
         x_ND, gate_up_EHD, down_EDI = x_ND.bfloat16(), gate_up_EHD.bfloat16(), down_EDI.bfloat16()
     else:
         gate_up_EHD, down_EDI = gate_up_EHD.to(dtype), down_EDI.to(dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
-    gate_NI, up_NI = mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E).chunk(2, dim=-1)
-    return mm(F.silu(gate_NI) * up_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
-
-
-class _GatherRows(torch.autograd.Function):
-    """x[index] where index takes every row of x the same number of times k, given `inverse`, the permutation with
-    index[inverse] grouping the copies of each row together (row n's copies at n*k .. n*k+k-1). The backward is
-    then a gather and a sum over k; autograd's own backward for x[index] is a scatter-add, several times slower
-    on CPU."""
-
-    @staticmethod
-    def forward(ctx, x_ND, index_M, inverse_M):
-        ctx.save_for_backward(inverse_M)
-        ctx.n_rows = x_ND.shape[0]
-        return x_ND.index_select(0, index_M)
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        (inverse_M,) = ctx.saved_tensors
-        grad_NkD = grad_MD.index_select(0, inverse_M).view(ctx.n_rows, -1, grad_MD.shape[-1])
-        return grad_NkD.sum(1) if grad_NkD.shape[1] > 1 else grad_NkD.squeeze(1), None, None
-
-
-def gather_rows(x_ND, index_M, inverse_M):
-    return _GatherRows.apply(x_ND, index_M, inverse_M)
+    act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E))
+    return mm(act_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -380,8 +386,8 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_ND, counts_E):
-        return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl)
+    def forward(self, x_ND, counts_E, scale_N=None):
+        return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl, scale_N)
 
 
 class MoE(nn.Module):
@@ -425,14 +431,13 @@ class MoE(nn.Module):
         self.aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else None
         self.z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else None
 
-        # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows, put the
-        # rows back in (token, choice) order and mix each token's K outputs with its gates (a batched [1,K]x[K,D]).
+        # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows (the gate
+        # scales each row inside the expert), add each row into its token.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
-        inverse_M = torch.empty_like(order_M)
-        inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-        y_MD = self.experts(gather_rows(x_ND, order_M // self.top_k, inverse_M), counts_E)
-        y_NKD = gather_rows(y_MD, inverse_M, order_M).view(B * T, self.top_k, D)
-        y_ND = torch.bmm(gates_NK.unsqueeze(1).to(y_NKD.dtype), y_NKD).squeeze(1).to(x_ND.dtype)
+        token_M = order_M // self.top_k
+        # index_select, not x_ND[token_M]: its backward is one index_add, the indexing's a slower index_put.
+        y_MD = self.experts(x_ND.index_select(0, token_M), counts_E, gates_NK.flatten()[order_M])
+        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D)

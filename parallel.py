@@ -250,7 +250,7 @@ class ExpertParallelExperts(GroupedExperts):
     def extra_repr(self) -> str:
         return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
 
-    def forward(self, x_MD, counts_E):
+    def forward(self, x_MD, counts_E, scale_M=None):
         group, ep = self.ep_mesh, self.ep_mesh.size()
         # Dispatch, step 1: counts. Row p of send_counts_PL is what we send to peer p, one count per expert of p;
         # row p of recv_counts_PL is what peer p sends us, one count per local expert.
@@ -259,13 +259,16 @@ class ExpertParallelExperts(GroupedExperts):
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
         # Dispatch, step 2: tokens (uneven splits; the backward is the reverse all-to-all).
         x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
+        scale_R = None if scale_M is None else funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits,
+                                                                                   group)
         # They arrive grouped by (peer, local expert); expert_ffn wants them grouped by local expert.
         L = recv_counts_PL.shape[1]
         expert_R = torch.arange(L, device=x_MD.device).repeat(ep).repeat_interleave(
             recv_counts_PL.flatten(), output_size=sum(recv_splits))
         order_R = torch.argsort(expert_R, stable=True)
-        y_RD = expert_ffn(x_RD[order_R], recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
-                          self.down_proj.to_local(), self.impl)
+        y_RD = expert_ffn(x_RD.index_select(0, order_R), recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
+                          self.down_proj.to_local(), self.impl,
+                          None if scale_R is None else scale_R.index_select(0, order_R))
         y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
         # Combine: results return to the ranks the tokens came from, in the order they were sent.
         return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)

@@ -196,12 +196,14 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def build_optimizer(model, tc: TrainConfig, fused: bool):
+def build_optimizer(model, tc: TrainConfig, fused: bool = True):
     """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
     --optimizer=muon (SPEC §5): parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
     routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
     and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
-    couple and equalise whatever each expert's load (AdamW keeps them independent)."""
+    couple and equalise whatever each expert's load (AdamW keeps them independent).
+    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU about 3x faster than the per-tensor loop
+    torch picks by default there, which with 256 experts per layer is a large part of a small step)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
         decay = [p for _, p in params if p.dim() >= 2]
@@ -419,7 +421,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             moe.expert_bias[: 2 * cfg.top_k] += tc.skew_router
 
     # --- optimizer, balancing state, and resume from the newest complete checkpoint
-    optimizer = build_optimizer(model, tc, fused=device.type == "cuda")
+    optimizer = build_optimizer(model, tc)
     layers = moe_layers(model)
     state = {"step": 0, "momentum": torch.zeros(len(layers), cfg.n_experts, device=device), "skipped": 0,
              "bad_steps": 0}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import from_hf_state_dict, to_hf_state_dict
-from model import PRESETS, GroupedExperts, ModelConfig, Transformer, make_mask, meta_model
+from model import PRESETS, GroupedExperts, ModelConfig, RMSNorm, Transformer, make_mask, meta_model
 
 
 def small_cfg(**kw):
@@ -69,6 +69,24 @@ def test_config_round_trip():
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 64), (2, 5, 4, 16)])
+def test_rms_norm_matches_autograd_of_its_definition(shape):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x, dy = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    results = []
+    for forward in (norm, lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))):
+        norm.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = forward(xi)
+        y.backward(dy)
+        results.append((y, xi.grad, norm.weight.grad))
+    for ours, ref in zip(*results):
+        assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+
+
 # --- experts: grouped GEMM against the per-expert loop
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -81,13 +99,15 @@ def test_grouped_mm_matches_loop(dtype, tol):
     counts = torch.tensor([5, 0, 3, 9, 0, 1, 12, 2])  # empty experts included
     x = torch.randn(int(counts.sum()), 32, generator=g)
     dy = torch.randn(int(counts.sum()), 32, generator=g)
+    scale = torch.rand(int(counts.sum()), generator=g)  # the router's gates, one per row
     results = []
     for impl in ("grouped", "loop"):
         experts.impl = impl
-        xi = x.to(dtype).requires_grad_()
-        y = experts(xi, counts)
+        xi, si = x.to(dtype).requires_grad_(), scale.clone().requires_grad_()
+        y = experts(xi, counts, si)
         y.backward(dy.to(dtype))
-        results.append((y.float(), xi.grad.float(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+        results.append((y.float(), xi.grad.float(), si.grad, experts.gate_up_proj.grad.clone(),
+                        experts.down_proj.grad.clone()))
         experts.zero_grad(set_to_none=True)
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=tol, rtol=tol)
