@@ -355,7 +355,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     def swiglu(gate_up_NH):
         gate_NI, up_NI = gate_up_NH.chunk(2, dim=-1)
         act_NI = F.silu(gate_NI) * up_NI
-        return act_NI if scale_N is None else act_NI * scale_N.to(act_NI.dtype).unsqueeze(-1)
+        return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
         rows = counts_E.tolist()
