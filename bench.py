@@ -111,12 +111,6 @@ def model_config(tc: train.TrainConfig, overrides: dict):
     return train.model_config(tc, overrides, overrides.pop("vocab_size", PRESETS[tc.preset].vocab_size))
 
 
-def autocast_for(tc: train.TrainConfig, device: torch.device):
-    """(autocast context, compute dtype or None) as train.main chooses them: bf16 on GPU, fp32 on CPU."""
-    dtype = torch.bfloat16 if (tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")) else None
-    return (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()), dtype
-
-
 def max_over_ranks(value: float) -> float:
     if not (dist.is_available() and dist.is_initialized()):
         return value
@@ -293,7 +287,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(tc.seed)
-    autocast, dtype = autocast_for(tc, device)
+    autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
     layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
@@ -385,7 +379,7 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
-    autocast, dtype = autocast_for(tc, device)
+    autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
     N = args.tokens
     T = min(tc.seq_len, N)
@@ -662,7 +656,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     import checkpoint
 
     _, _, device = parallel.init_distributed()
-    autocast, dtype = autocast_for(tc, device)
+    autocast, dtype = train.autocast_for(tc, device)
     tc = dataclasses.replace(tc, doc_mask=False)  # AfmoeForCausalLM has no intra-document masking
     cfg = model_config(tc, overrides)
     layout = parallel.Layout(1)

@@ -368,14 +368,19 @@ class Watchdog:
 
 # --- the run
 
+def autocast_for(tc: TrainConfig, device: torch.device):
+    """(autocast context, compute dtype or None): bf16 on GPU, fp32 on CPU, unless --dtype says otherwise."""
+    dtype = torch.bfloat16 if (tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")) else None
+    return (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()), dtype
+
+
 def main(tc: TrainConfig, overrides: dict) -> dict:
     # --- setup: ranks, devices, precision, output directory
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
     master = rank == 0
     say = print if master else (lambda *a, **k: None)
     torch.manual_seed(tc.seed)
-    dtype = torch.bfloat16 if (tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")) else None
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    autocast, dtype = autocast_for(tc, device)
     ckpt_root = os.path.join(tc.out_dir, "checkpoints")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
