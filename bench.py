@@ -162,8 +162,9 @@ def moe_targets(moe: MoE) -> list:
 
 
 def model_targets(model) -> list:
-    targets = [(model, "forward", "cross-entropy, masks, RoPE tables"), (model.embed, "forward", "embedding"),
-               (model.norm, "forward", "output head"), (model.head, "forward", "output head")]
+    # The head's matmul and the cross-entropy are one fused autograd function (model.head_loss): one component.
+    targets = [(model, "forward", "masks, RoPE tables"), (model.embed, "forward", "embedding"),
+               (model.norm, "forward", "final norm"), (model, "head_loss", "output head, cross-entropy")]
     for block in model.layers.values():
         targets += [(block, "forward", "residual adds"), (block.attn, "forward", "attention")]
         targets += [(norm, "forward", "norms")
@@ -484,7 +485,7 @@ AC_MODES = ("none", "selective", "full")
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
     """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": saved plus the largest
-    transient (the loss gradients at the start of backward, or one block re-materialised by AC)}.
+    transient (the head's at the loss, or one block re-materialised by AC)}.
 
     Per token, with c bytes per compute element (2 bf16, 4 fp32), flash-style attention (no T x T matrix; the boolean
     masks of CPU's exact path are not counted) and balanced routing (an EP rank receives K tokens per token):
@@ -498,8 +499,9 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
       routed experts, per K pairs    c(D + 5I) + 20: gathered input, gate_up output (2I), silu output, product,
                                      product x gate (the down input); the fp32 gate; two int64 index vectors
       block                          4 norms of D, cD FFN input, attention, then SwiGLU or router + experts + shared
-      head                           cD + 4 + cD + 4V   final norm, head input, fp32 log-softmax; 8V transient
-                                     gradients
+      head                           cD + 4 + cD + 4V   final norm, head input, fp32 log-probabilities (which
+                                     become the logits' gradient in place, model._HeadCrossEntropy); with c = 2
+                                     a transient cV (the logits before their fp32 copy, the gradient cast back)
     selective AC keeps the block input and the outputs of matmuls, attention and all-to-alls (parallel._sac_policy):
       cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router 4E + experts K·c(2I + D)
       + shared c(2Is + D) + 2K·cD with ep > 1; full AC keeps the block input cD."""
@@ -516,7 +518,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
         full_layer.append(4 * (c * D + 4) + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
         sel_layer.append(c * D + attn_sel + (experts_sel if moe else c * (2 * cfg.dense_hidden + D)))
     tokens = micro_batch * seq
-    head, head_transient = (c * D + 4) + c * D + 4 * V, 8 * V
+    head, head_transient = (c * D + 4) + c * D + 4 * V, (c * V if c < 4 else 0)
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     recompute = max(full_layer)

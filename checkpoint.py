@@ -19,11 +19,12 @@ mid-save leaves the previous checkpoint as the newest complete one.
     python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder
     python checkpoint.py export out/ckpt/step_00000010 out/hf
 
-    from checkpoint import save, load, latest, export_hf, load_hf
+    from checkpoint import save, load, latest, export_hf, load_hf, load_hf_into
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     wait()                                                   # on every rank, before the next save and at exit
     train_state = load(latest("out/ckpt"), {"model": model, "optim": optim}, config)
     cfg, state_dict = load_hf("out/hf")                      # our ModelConfig and a state dict for Transformer(cfg)
+    load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 """
 
 import argparse
@@ -92,13 +93,17 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
-    """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
-    wanted = {_hf_name(k): k for k in _our_names(cfg)}
-    missing = sorted(set(wanted) - set(hf_sd))
+def _check_hf_names(present: set, wanted: dict):
+    missing = sorted(set(wanted) - present)
     if missing:
         raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
                        f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
+
+
+def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
+    """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
+    wanted = {_hf_name(k): k for k in _our_names(cfg)}
+    _check_hf_names(set(hf_sd), wanted)
     out = {}
     for hf_key, ours in wanted.items():
         t = hf_sd[hf_key]
@@ -537,10 +542,8 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) ->
     return path
 
 
-def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
-    """Read a Hugging Face `afmoe` folder: our ModelConfig and a state dict for Transformer(cfg).load_state_dict."""
-    from safetensors.torch import load_file
-
+def _hf_folder(hf_dir: str) -> tuple[dict, list[str]]:
+    """The config.json and the weight files of a Hugging Face `afmoe` folder."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model folder.")
@@ -561,11 +564,51 @@ def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
     if absent:
         raise FileNotFoundError(f"{hf_dir} lacks {len(absent)} weight file(s) its index names, "
                                 f"e.g. {absent[0]}; copy the folder again.")
+    return hf, [os.path.join(hf_dir, f) for f in files]
+
+
+def hf_config(hf_dir: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `afmoe` folder."""
+    return ModelConfig.from_hf(_hf_folder(hf_dir)[0])
+
+
+def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
+    """Read a Hugging Face `afmoe` folder whole: our ModelConfig and a state dict for
+    Transformer(cfg).load_state_dict. (To fill a sharded model, load_hf_into reads only each rank's slices.)"""
+    from safetensors.torch import load_file
+
+    hf, files = _hf_folder(hf_dir)
     hf_sd = {}
     for file in files:
-        hf_sd.update(load_file(os.path.join(hf_dir, file)))
+        hf_sd.update(load_file(file))
     cfg = ModelConfig.from_hf(hf)
     return cfg, from_hf_state_dict(hf_sd, cfg)
+
+
+def load_hf_into(model, hf_dir: str):
+    """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder, in place. Every rank
+    calls it and reads from the safetensors files only the rows of the shards it holds (torch.distributed.checkpoint
+    with its Hugging Face reader), so no rank ever holds the whole model. Weights stored in another dtype (a bf16
+    export) are converted to the model's."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    _, files = _hf_folder(hf_dir)
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    tensors = get_model_state_dict(model, options=_OPTIONS)
+    wanted = {_hf_name(k): v for k, v in tensors.items()}
+    _check_hf_names(set(shapes), wanted)
+    wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
+             if shapes[k] != tuple(v.shape)]
+    if wrong:
+        raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
+                         f"of this model's config, or drop the flags that change it.")
+    _, world = _rank_world()
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=world == 1 and not dist.is_initialized())
+    set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------------------------------

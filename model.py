@@ -11,7 +11,7 @@ comes from SPEC.md §1-3 and §7; transformers' `afmoe` model is the reference f
     from model import ModelConfig, Transformer, PRESETS
     model = Transformer(PRESETS["tiny"])
     logits_BTV = model(tokens_BT)
-    logits_BTV, loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)
+    loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)  # head and cross-entropy fused
 
 Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
 E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
@@ -480,6 +480,44 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# The output head fused with the loss
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ weight.T against targets (rows whose target is -100 are ignored, as in
+    F.cross_entropy). The [N, V] logits are the largest activation of a small model, and of a big one at a 200k
+    vocabulary, so only one fp32 [N, V] buffer lives: forward turns the logits into log-probabilities in place,
+    backward turns those into the logits' gradient softmax - onehot in place, and the 1/N scale and the ignored rows'
+    zeros go on the [N, D] and [V, D] sides of the matmuls. That is two passes over [N, V] where log_softmax +
+    nll_loss make six, and no zero-filled or second [N, V] tensor. Under autocast the matmuls run in its dtype and
+    the softmax in fp32, as F.cross_entropy(logits.float()) does."""
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, targets_N):
+        logits_NV = F.linear(h_ND, weight_VD)
+        logp_NV = logits_NV.float()  # the same tensor in fp32, a copy under autocast
+        torch.log_softmax(logp_NV, -1, out=logp_NV)  # row by row: each element is read before it is written
+        valid_N = targets_N != -100
+        targets_N = targets_N.clamp(min=0)
+        picked_N = logp_NV.gather(1, targets_N.unsqueeze(1)).squeeze(1)
+        n_valid = valid_N.sum()
+        ctx.save_for_backward(h_ND, weight_VD, targets_N, valid_N, n_valid, logp_NV)
+        ctx.mm_dtype = logits_NV.dtype
+        return -torch.where(valid_N, picked_N, 0.0).sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h_ND, weight_VD, targets_N, valid_N, n_valid, logp_NV = ctx.saved_tensors
+        grad_NV = logp_NV.exp_()  # the softmax, in place of the log-probabilities (backward runs once)
+        grad_NV[torch.arange(len(targets_N), device=targets_N.device), targets_N] -= 1
+        grad_NV = grad_NV.to(ctx.mm_dtype)
+        scale = dloss / n_valid
+        valid_N1 = valid_N.unsqueeze(1)  # an ignored row's gradient is zeroed on [N, D], not on [N, V]
+        dh_ND = ((grad_NV @ weight_VD.to(ctx.mm_dtype)) * (valid_N1 * scale)).to(h_ND.dtype)
+        dweight_VD = (grad_NV.t() @ (h_ND * valid_N1).to(ctx.mm_dtype)).to(weight_VD.dtype) * scale
+        return dh_ND, dweight_VD, None
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # The transformer
 
 class Block(nn.Module):
@@ -533,9 +571,9 @@ class Transformer(nn.Module):
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
     def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None):
-        """Logits [B, T, V]; with targets also the mean token cross-entropy. doc_ids_BT (document index per token)
-        restricts attention to each token's document. The MoE balance losses of this forward are in
-        balance_loss()."""
+        """Logits [B, T, V]; with targets instead the mean token cross-entropy (head_loss). doc_ids_BT (document
+        index per token) restricts attention to each token's document. The MoE balance losses of this forward are
+        in balance_loss()."""
         B, T = tokens_BT.shape
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
@@ -546,10 +584,14 @@ class Transformer(nn.Module):
                  True: make_mask(T, None, doc_ids_BT, tokens_BT.device)}
         for block in self.layers.values():
             x_BTD = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global])
-        logits_BTV = self.head(self.norm(x_BTD))
+        h_BTD = self.norm(x_BTD)
         if targets_BT is None:
-            return logits_BTV
-        return logits_BTV, F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+            return self.head(h_BTD)
+        return self.head_loss(h_BTD, targets_BT)
+
+    def head_loss(self, h_BTD, targets_BT):
+        """The mean cross-entropy of head(h) against targets (-100 ignored), without keeping the logits."""
+        return _HeadCrossEntropy.apply(h_BTD.flatten(0, 1), self.head.weight, targets_BT.flatten())
 
     def balance_loss(self):
         """The sequence-wise auxiliary loss plus the router z-loss of the last forward, summed over MoE layers
@@ -604,7 +646,7 @@ if __name__ == "__main__":
         cfg = PRESETS[args.preset]
         model = Transformer(cfg)
         tokens_BT = torch.randint(0, cfg.vocab_size, (2, min(cfg.max_seq_len, 128)))
-        _, loss = model(tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
+        loss = model(tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
         print(f"{args.preset}: loss at init {loss.item():.3f} (ln V = {math.log(cfg.vocab_size):.3f})")
     for name, cfg in PRESETS.items():
         m = meta_model(cfg)

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 import checkpoint
 import data
@@ -236,7 +235,7 @@ def evaluate(model, loader, n_batches: int, micro_batch: int, autocast) -> float
         for i in range(0, tokens_BT.shape[0], micro_batch):
             tok, tgt, doc = (t[i:i + micro_batch].to(total.device) for t in (tokens_BT, targets_BT, doc_ids_BT))
             with autocast:
-                _, loss = model(tok, targets_BT=tgt, doc_ids_BT=doc)
+                loss = model(tok, targets_BT=tgt, doc_ids_BT=doc)
             total += loss.float()
             count += 1
     model.train()
@@ -270,7 +269,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
             # a full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
             model.set_requires_all_reduce(i == n_micro - 1)
         with autocast:
-            _, lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
+            lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
                                doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
             balance_loss = model.balance_loss()
             if poison:
@@ -392,10 +391,9 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             dist.barrier()
     manifest = data.load_manifest(tc.data)
     if tc.init_from_hf:
-        cfg, hf_state = checkpoint.load_hf(tc.init_from_hf)
-        cfg = dataclasses.replace(cfg, **overrides)
+        cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides)
     else:
-        cfg, hf_state = model_config(tc, overrides, manifest["vocab_size"]), None
+        cfg = model_config(tc, overrides, manifest["vocab_size"])
 
     # --- layout: checked on every rank before any collective (parallel.py)
     layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
@@ -412,9 +410,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
                                  param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
-    if hf_state is not None:
-        # Every rank reads the full HF state dict and keeps its own shards.
-        set_model_state_dict(model, hf_state, options=StateDictOptions(full_state_dict=True, strict=True))
+    if tc.init_from_hf:
+        checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
     twin = meta_model(cfg)  # counts come from an unsharded twin on the meta device
     n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)

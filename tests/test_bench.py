@@ -207,8 +207,9 @@ def test_training_step_report(capsys):
     assert out["tflops_per_device"] == pytest.approx(out["tokens_per_s"] * out["flops_per_token"] / 1e12)
     assert {"forward", "backward", "optimizer"} <= set(out["phases_ms"])
     components = out["components_ms"]
-    assert {"attention", "router", "routed experts", "output head", "optimizer"} <= set(components)
+    assert {"attention", "router", "routed experts", "output head, cross-entropy", "optimizer"} <= set(components)
     assert components["attention"]["bwd"] > 0 and components["optimizer"]["total"] > 0
+    assert components["output head, cross-entropy"]["bwd"] > 0  # the fused function's backward found its forward
 
 
 # ------------------------------------------------------------------------------------------------------------------

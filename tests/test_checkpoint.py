@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-from checkpoint import export_hf, latest, load, load_hf, save
+from checkpoint import export_hf, latest, load, load_hf, load_hf_into, save
 from model import ModelConfig, Transformer
 
 # DCP warns on every single-process call; checkpoint.py silences it, pytest's per-test filters bring it back.
@@ -55,7 +55,7 @@ def train_steps(model, optim, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=g)
-        _, loss = model(tokens, targets_BT=tokens)
+        loss = model(tokens, targets_BT=tokens)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -355,6 +355,24 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
         assert sd.keys() == model.state_dict().keys()
         for k, v in model.state_dict().items():
             assert torch.equal(sd[k], v), k
+        fresh, _ = make(cfg, seed=1)  # load_hf_into: in place, through torch.distributed.checkpoint's HF reader
+        load_hf_into(fresh, str(tmp_path / out))
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+
+    # A bf16 folder is converted to the model's fp32; a folder of another shape is refused in one sentence.
+    from safetensors.torch import load_file, save_file
+    os.makedirs(tmp_path / "hf_bf16")
+    shutil.copy(tmp_path / "hf_single" / "config.json", tmp_path / "hf_bf16")
+    save_file({k: v.bfloat16() for k, v in load_file(str(tmp_path / "hf_single" / "model.safetensors")).items()},
+              str(tmp_path / "hf_bf16" / "model.safetensors"))
+    fresh, _ = make(cfg, seed=1)
+    load_hf_into(fresh, str(tmp_path / "hf_bf16"))
+    for k, v in model.state_dict().items():
+        assert fresh.state_dict()[k].dtype == v.dtype and torch.equal(fresh.state_dict()[k], v.bfloat16().float()), k
+    other, _ = make(replace(cfg, expert_hidden=2 * cfg.expert_hidden), seed=1)
+    with pytest.raises(ValueError, match="holds tensors of other shapes"):
+        load_hf_into(other, str(tmp_path / "hf"))
 
 
 def test_load_hf_errors_name_the_problem(tmp_path):

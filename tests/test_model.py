@@ -87,6 +87,61 @@ def test_rms_norm_matches_autograd_of_its_definition(shape):
         assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+# --- the output head fused with the cross-entropy
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("ignore", [False, True])
+def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore):
+    """model.head_loss against F.linear + F.cross_entropy in fp32: the loss, both gradients (with an upstream
+    gradient that is not 1), ignored targets, and under bf16 autocast; only one fp32 [N, V] tensor is kept."""
+    g = torch.Generator().manual_seed(0)
+    model = Transformer(small_cfg(vocab_size=384))
+    N, D, V = 40, model.cfg.dim, model.cfg.vocab_size
+    with torch.no_grad():
+        model.head.weight.copy_(torch.randn(V, D, generator=g) * 0.3)
+    h_BTD = torch.randn(2, N // 2, D, generator=g)
+    targets_BT = torch.randint(0, V, (2, N // 2), generator=g)
+    if ignore:
+        targets_BT[:, ::3] = -100
+    results, saved = [], {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        h = h_BTD.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and fused):
+            with torch.autograd.graph.saved_tensors_hooks(pack if fused else (lambda t: t), lambda t: t):
+                loss = (model.head_loss(h, targets_BT) if fused else
+                        F.cross_entropy(model.head(h).flatten(0, 1).float(), targets_BT.flatten()))
+        (2.5 * loss).backward()
+        results.append((loss, h.grad, model.head.weight.grad))
+    tol = 2e-2 if autocast else 1e-5
+    for ours, ref in zip(*results):
+        assert ours.dtype == ref.dtype
+        assert (ours - ref).abs().max() <= tol * ref.abs().max()
+    # kept: the fp32 log-probabilities, h, the weight (no copy) and a few N-vectors
+    assert sum(saved.values()) <= N * V * 4 + h_BTD.nbytes + model.head.weight.nbytes + 1024
+
+
+def test_model_loss_is_the_cross_entropy_of_its_logits():
+    g = torch.Generator().manual_seed(1)
+    model = Transformer(small_cfg())
+    randomise_(model, g)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=g)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        loss = (model(tokens[:, :-1], targets_BT=tokens[:, 1:]) if fused else
+                F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()))
+        loss.backward()
+        grads.append((loss, *[p.grad for p in model.parameters()]))
+    for ours, ref in zip(*grads):
+        assert torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
+
+
 # --- experts: grouped GEMM against the per-expert loop
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -191,7 +246,7 @@ def test_counts_and_expert_bias_untouched_by_gradients():
     cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
-    _, loss = model(tokens, targets_BT=tokens)
+    loss = model(tokens, targets_BT=tokens)
     (loss + model.balance_loss()).backward()
     for moe in model.moe_layers():
         assert moe.counts_E.sum().item() == 2 * 16 * cfg.top_k
@@ -279,7 +334,7 @@ def test_tiny_preset_keeps_the_trinity_structure_and_starts_at_ln_vocab():
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 65))
     with torch.no_grad():
-        _, loss = Transformer(cfg)(tokens[:, :-1], targets_BT=tokens[:, 1:])
+        loss = Transformer(cfg)(tokens[:, :-1], targets_BT=tokens[:, 1:])
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.3
 
 
@@ -288,11 +343,11 @@ def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
     cfg = small_cfg(vocab_size=512, aux_loss_coef=1e-4, z_loss_coef=1e-6)
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (4, 32))
-    _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(150):
-        _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+        loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
         loss = loss + model.balance_loss()
         opt.zero_grad()
         loss.backward()

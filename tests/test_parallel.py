@@ -75,7 +75,7 @@ def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_syn
             if no_sync:
                 model.set_requires_gradient_sync(i == accum - 1)
             micro = mine[i * micro_batch:(i + 1) * micro_batch]
-            _, lm_loss = model(micro[:, :-1], targets_BT=micro[:, 1:])
+            lm_loss = model(micro[:, :-1], targets_BT=micro[:, 1:])
             loss = lm_loss + model.balance_loss()  # aux and z-losses: their gradients reach the router too
             (loss / accum).backward()
             loss_sum += loss.detach() / accum
@@ -276,7 +276,7 @@ def test_single_process_build_and_clip():
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all((m.expert_bias == 0).all() for m in model.moe_layers())
     tokens = batches()[0, :2]
-    _, loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     norm = parallel.clip_grad_norm_(model, 0.1)
