@@ -270,7 +270,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
             model.set_requires_all_reduce(i == n_micro - 1)
         with autocast:
             lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
-                               doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
+                            doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
             balance_loss = model.balance_loss()
             if poison:
                 lm_loss = lm_loss * float("nan")
@@ -279,9 +279,10 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
         # with identical values, so each token is counted exactly once.
         for l, moe in enumerate(layers):
             counts_LE[l] += moe.counts_E
+        zero = torch.zeros((), device=device)
         losses += torch.stack([lm_loss.detach().float(),
-                               sum((m.aux_loss.detach() for m in layers if m.aux_loss is not None), torch.zeros((), device=device)),
-                               sum((m.z_loss.detach() for m in layers if m.z_loss is not None), torch.zeros((), device=device))]) / n_micro
+                               sum((m.aux_loss.detach() for m in layers if m.aux_loss is not None), zero),
+                               sum((m.z_loss.detach() for m in layers if m.z_loss is not None), zero)]) / n_micro
     # The global batch: counts summed over ranks, losses averaged.
     parallel.all_reduce_sum_(counts_LE)
     parallel.all_reduce_sum_(losses)
