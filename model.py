@@ -551,21 +551,24 @@ class Transformer(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, draw=None):
         """Initialise every parameter and buffer (SPEC §2): truncated normal on [-3σ, 3σ] for weights, unit
         pre-norm gains, 1/sqrt(n_layers) post-norm gains, zero expert bias. Works shard by shard on DTensors
-        after `to_empty`, so a large model is never materialised on one device."""
+        after `to_empty`, so a large model is never materialised on one device. `draw(tensor, init)` applies each
+        init in place, in a fixed order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
+        draw = draw or (lambda tensor, init: init(tensor))
         std = self.cfg.init_std
+        normal = lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std)  # noqa: E731
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.weight.fill_(module.init_gain)
+                draw(module.weight, lambda t, gain=module.init_gain: t.fill_(gain))
             elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+                draw(module.weight, normal)
             elif isinstance(module, GroupedExperts):
                 for w in (module.gate_up_proj, module.down_proj):
-                    nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+                    draw(w, normal)
             elif isinstance(module, MoE):
-                module.expert_bias.zero_()
+                draw(module.expert_bias, torch.Tensor.zero_)
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]

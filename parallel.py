@@ -43,7 +43,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adamw import adamw
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                      noop_context_fn)
@@ -402,16 +402,22 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
         model = Transformer(model_cfg)
     parallelize(model, mesh, layout, ac=ac, compile=compile, param_dtype=param_dtype)
     model.to_empty(device=device)
-    if mesh is None or device.type == "cuda":
-        torch.manual_seed(seed)  # on CUDA DTensor's RNG tracker draws each shard from one global stream
-    else:
-        # DTensor's RNG tracker is CUDA-only, so on CPU each rank draws its shards from its own generator: seed it
-        # by dp_shard coordinate, which every shard (dense and expert) is indexed by, so replicas stay identical.
-        torch.manual_seed(seed + _submesh(mesh, "dp_shard").get_local_rank())
+    torch.manual_seed(seed)
+    # On CUDA, DTensor's RNG tracker draws each shard as its slice of one global stream. It is CUDA-only: on CPU each
+    # sharded tensor is drawn whole and this rank keeps its shard, so every layout starts from the weights one
+    # process draws from the same seed (one tensor at a time is whole, never the model).
+    draw = _draw_whole_keep_shard if mesh is not None and device.type == "cpu" else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        model.init_weights()
+        model.init_weights(draw)
     return model
+
+
+def _draw_whole_keep_shard(tensor: torch.Tensor, init):
+    if not isinstance(tensor, DTensor):
+        return init(tensor)
+    whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
+    tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_global_counts_cover_every_micro_batch_and_rank(corpus_dir, tmp_path):
     import sys
     from safetensors.torch import save_file
     from checkpoint import to_hf_state_dict
-    # One initial model for both runs (sharded initialisation on CPU draws differently per layout).
+    # One initial model for both runs, from a Hugging Face folder: each of the 4 ranks reads only its shards.
     tc, overrides = train.parse_args(TINY_MODEL_FLAGS)
     cfg = train.model_config(tc, overrides, vocab_size=100277)
     torch.manual_seed(0)

@@ -120,7 +120,7 @@ def run_layout(name, init, tokens, rank, world, device):
     param_bytes = {kind: sum(p.to_local().numel() * p.element_size() for n, p in model.named_parameters()
                              if ("experts." in n) == (kind == "experts")) for kind in ("dense", "experts")}
 
-    gathered = {}
+    gathered = {"fresh_init": {k: v.clone() for k, v in get_model_state_dict(model, options=full_options).items()}}
     if name == DCP_LOAD:
         sharded = get_model_state_dict(model)
         dcp.load(sharded, checkpoint_id=OUT / "dcp")
@@ -182,6 +182,8 @@ def runs(tmp_path_factory):
     reference["bias"] = [m.expert_bias.clone() for m in model.moe_layers()]
     results = {name: torch.load(out / f"{name}.pt") for name in RUNS}
     bad = [(out / f"bad_layout_rank{r}.txt").read_text() for r in range(2)]
+    # What parallel.build_model initialises in one process from the same (default) seed.
+    reference["fresh_init"] = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu")).state_dict()
     return reference, results, bad
 
 
@@ -223,6 +225,16 @@ def test_each_rank_holds_its_share_of_the_parameters(runs, name):
         for kind in ("dense", "experts"):
             assert rank_result["bytes"][kind] == pytest.approx(total[kind] / shard, rel=0.05), kind
         assert rank_result["replicas_equal"]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_fresh_initialisation_matches_single_process(runs, name):
+    """build_model gives every layout, from the same seed, the exact weights one process draws."""
+    reference, results, _ = runs
+    fresh, want = results[name]["fresh_init"], reference["fresh_init"]
+    assert fresh.keys() == want.keys()
+    for key in want:
+        assert torch.equal(fresh[key], want[key]), key
 
 
 def test_checkpoint_saved_on_one_layout_loads_on_another(runs):
