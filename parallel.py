@@ -397,7 +397,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0) -> Transformer:
     """Build on the meta device, parallelize, allocate only this rank's shards on `device` and initialise them
-    (model.init_weights works shard by shard on DTensors), so no rank ever holds the full model."""
+    from `seed`, the same weights whatever the layout; no rank ever holds the full model."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     parallelize(model, mesh, layout, ac=ac, compile=compile, param_dtype=param_dtype)
