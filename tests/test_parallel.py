@@ -303,6 +303,12 @@ def test_single_process_build_and_clip():
     parallel.clip_grad_norm_(model, 0.1)
     for p, c in zip(model.parameters(), clipped):
         torch.testing.assert_close(p.grad, c)
+    # Under the limit the gradients are left exactly as they are.
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    torch.testing.assert_close(parallel.clip_grad_norm_(model, 2 * float(want)), want)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
 
 
 if __name__ == "__main__":
