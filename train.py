@@ -527,7 +527,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     if out is not None:
         say(f"done: {state['step'] + 1 - start_step} steps, "
             f"{(state['step'] + 1) * tokens_per_step:,} tokens seen in all, {elapsed:.0f}s; "
-            f"loss {first_loss:.3f} -> {out['loss']:.3f}, val loss {val_loss if val_loss is None else round(val_loss, 3)}; "
+            f"loss {first_loss:.3f} -> {out['loss']:.3f}, "
+            f"val loss {val_loss if val_loss is None else round(val_loss, 3)}; "
             f"outputs in {tc.out_dir}/")
     if tc.sample_tokens and out is not None and not preemption.requested:
         enc = data.get_encoding(manifest["tokenizer"])

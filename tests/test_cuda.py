@@ -12,7 +12,8 @@ import parallel
 import train
 from model import ModelConfig, Transformer, expert_ffn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI and the CPU machine have none")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU; CI and the CPU machine have none")
 
 CFG = ModelConfig(vocab_size=512, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
                   head_dim=16, window=32, max_seq_len=256, n_experts=16, n_shared_experts=1, top_k=4,
