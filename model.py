@@ -390,6 +390,23 @@ class GroupedExperts(nn.Module):
         return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl, scale_N)
 
 
+class _SortedRows(torch.autograd.Function):
+    """x_ND -> x_MD, row m holding token order_M[m] // K (each token K times, sorted by expert). The backward
+    gathers each token's K row gradients and sums them in a fixed order; index_select's own backward would add them
+    with atomics on CUDA."""
+
+    @staticmethod
+    def forward(ctx, x_ND, order_M, inverse_M, K: int):
+        ctx.save_for_backward(inverse_M)
+        ctx.K = K
+        return x_ND.index_select(0, order_M // K)
+
+    @staticmethod
+    def backward(ctx, dx_MD):
+        (inverse_M,) = ctx.saved_tensors
+        return dx_MD.index_select(0, inverse_M).view(-1, ctx.K, dx_MD.shape[-1]).sum(1), None, None, None
+
+
 class MoE(nn.Module):
     """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping, no capacity factor.
 
@@ -410,6 +427,9 @@ class MoE(nn.Module):
         # Selection bias, updated by the balancing rule once per optimizer step, never by gradients (SPEC §3-4).
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.counts_E = self.aux_loss = self.z_loss = None
+        # How rows are added back into tokens: "index_add" (fastest on CPU, deterministic there), "gather" (no
+        # atomics: bitwise reproducible on CUDA too), "auto" (gather on CUDA, index_add elsewhere).
+        self.combine = "auto"
 
     def route(self, x_ND):
         """Returns (expert ids [N, K], gate weights [N, K], sigmoid scores [N, E], router logits [N, E])."""
@@ -434,10 +454,18 @@ class MoE(nn.Module):
         # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows (the gate
         # scales each row inside the expert), add each row into its token.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
-        token_M = order_M // self.top_k
-        # index_select, not x_ND[token_M]: its backward is one index_add, the indexing's a slower index_put.
-        y_MD = self.experts(x_ND.index_select(0, token_M), counts_E, gates_NK.flatten()[order_M])
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+        scale_M = gates_NK.flatten()[order_M]
+        if self.combine == "index_add" or (self.combine == "auto" and not x_ND.is_cuda):
+            token_M = order_M // self.top_k
+            # index_select, not x_ND[token_M]: its backward is one index_add, the indexing's a slower index_put.
+            y_MD = self.experts(x_ND.index_select(0, token_M), counts_E, scale_M)
+            y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+        else:
+            # Where index_add_ adds with atomics (CUDA), its sums change from run to run. Here each token's K rows
+            # are gathered back into [N, K, D] and summed in a fixed order, forward and backward.
+            inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_ND.device))
+            y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.top_k), counts_E, scale_M)
+            y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.top_k, D).sum(1)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D)

@@ -125,3 +125,22 @@ def test_training_steps_on_cuda_reduce_the_loss():
     losses = [train.train_step(model, optimizer, batch(), tc, autocast, state)["lm_loss"] for _ in range(10)]
     assert state["skipped"] == 0
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_moe_block_is_bitwise_reproducible_on_cuda():
+    """Two forward and backward passes of the MoE block on the same input give identical bits: on CUDA the rows are
+    added back into their tokens by a gather and a fixed-order sum (MoE.combine "gather"), not by atomics."""
+    torch.manual_seed(0)
+    moe = Transformer(CFG).to(CUDA).moe_layers()[0]
+    assert moe.combine == "auto"
+    x_BTD = torch.randn(4, 256, CFG.dim, device=CUDA)
+    dy_BTD = torch.randn_like(x_BTD)
+    runs = []
+    for _ in range(2):
+        moe.zero_grad(set_to_none=True)
+        x = x_BTD.clone().requires_grad_()
+        y = moe(x)
+        y.backward(dy_BTD)
+        runs.append([y, x.grad] + [p.grad.clone() for p in moe.parameters()])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)

@@ -282,9 +282,11 @@ def reference_moe(moe, x_BTD):
     return torch.stack(rows).view(B, T, D), moe.aux_loss_coef * aux, moe.z_loss_coef * z
 
 
-def test_moe_forward_and_gradients_match_token_by_token_reference():
+@pytest.mark.parametrize("combine", ["index_add", "gather"])  # CPU's default, and CUDA's atomic-free one
+def test_moe_forward_and_gradients_match_token_by_token_reference(combine):
     cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
     moe = Transformer(cfg).moe_layers()[0]
+    moe.combine = combine
     g = torch.Generator().manual_seed(0)
     randomise_(moe, g, scale=0.2)
     x = torch.randn(3, 10, cfg.dim, generator=g)
