@@ -347,7 +347,6 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
             table, _, wall = profile(step, device, model_targets(model))
             result["components_ms"] = table
             print_components(table, wall, say, "one profiled training step")
-    parallel.destroy()
     return result
 
 
@@ -467,7 +466,6 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         top = sorted(ops.items(), key=lambda kv: -kv[1])[:10]
         result["top_ops_ms"] = dict(top)
         say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, ms in top))
-    parallel.destroy()
     return result
 
 
@@ -872,6 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run = {"step": bench_step, "moe": bench_moe, "plan": bench_plan, "vs-hf": bench_vs_hf}[command]
             result = run(args, tc, overrides)
+            parallel.destroy()  # once the command's model is out of scope
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

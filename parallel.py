@@ -31,6 +31,7 @@ x fan-in), Q x W once turned wide (Q <= W).
 
 import ctypes
 import functools
+import gc
 import math
 import os
 import warnings
@@ -95,8 +96,14 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
 
 
 def destroy():
+    """Tear the process groups down at the end of a run, once the model and optimizer are out of scope. FSDP states
+    and device meshes sit in reference cycles that hold process groups and their gloo work objects: collected here,
+    while the interpreter is whole, rather than during its shutdown, where destroying them can abort the process
+    ("terminate called without an active exception")."""
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:

@@ -539,13 +539,13 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         say("sample:\n" + enc.decode([t for t in sample if t < enc.n_vocab]))
     watchdog.stop()
     preemption.close()
-    parallel.destroy()
     return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
 
 
 if __name__ == "__main__":
     try:
         main(*parse_args())
+        parallel.destroy()  # after main returned: the model and optimizer are out of scope
     except (data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -156,31 +156,36 @@ def test_build_optimizer_groups():
 def worker(out: Path):
     rank, world, device = parallel.init_distributed(timeout_s=120)
     try:
-        init = torch.load(out / "init.pt")
-        for name, layout_kwargs in LAYOUTS.items():
-            layout = parallel.Layout(world, **layout_kwargs)
-            layout.check(CFG, GLOBAL_BATCH, GLOBAL_BATCH // world)
-            mesh = parallel.build_mesh(layout, device.type)
-            model = parallel.build_model(CFG, layout, mesh, device)
-            optimizer = make_optimizer(model)
-            if name == "resumed":  # another layout: R1_S8 instead of R2_S4, 0-2 experts per rank instead of 3
-                checkpoint.load(str(out / "ckpt"), {"model": model, "optim": optimizer})
-            else:
-                set_model_state_dict(model, dict(init["state_dict"]), options=StateDictOptions(full_state_dict=True))
-            gathered = []
-            for step in range(CKPT_STEP if name == "resumed" else 0, STEPS):
-                train_step(model, optimizer, init["tokens"][step], rank, world)
-                gathered.append(dict(optimizer.gathered))
-                if name == "uninterrupted" and step + 1 == CKPT_STEP:
-                    checkpoint.save(str(out / "ckpt"), CKPT_STEP, {"model": model, "optim": optimizer},
-                                    {"model": CFG})
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, gathered)
-            if rank == 0:
-                torch.save({"state_dict": full, "gathered": per_rank}, out / f"{name}.pt")
+        run_layouts(out, rank, world, device)
     finally:
-        parallel.destroy()
+        parallel.destroy()  # after run_layouts returned: no model or optimizer left in scope
+
+
+def run_layouts(out: Path, rank: int, world: int, device: torch.device):
+    """Both layouts in turn; each saves its final parameters and what Muon gathered per rank."""
+    init = torch.load(out / "init.pt")
+    for name, layout_kwargs in LAYOUTS.items():
+        layout = parallel.Layout(world, **layout_kwargs)
+        layout.check(CFG, GLOBAL_BATCH, GLOBAL_BATCH // world)
+        mesh = parallel.build_mesh(layout, device.type)
+        model = parallel.build_model(CFG, layout, mesh, device)
+        optimizer = make_optimizer(model)
+        if name == "resumed":  # another layout: R1_S8 instead of R2_S4, 0-2 experts per rank instead of 3
+            checkpoint.load(str(out / "ckpt"), {"model": model, "optim": optimizer})
+        else:
+            set_model_state_dict(model, dict(init["state_dict"]), options=StateDictOptions(full_state_dict=True))
+        gathered = []
+        for step in range(CKPT_STEP if name == "resumed" else 0, STEPS):
+            train_step(model, optimizer, init["tokens"][step], rank, world)
+            gathered.append(dict(optimizer.gathered))
+            if name == "uninterrupted" and step + 1 == CKPT_STEP:
+                checkpoint.save(str(out / "ckpt"), CKPT_STEP, {"model": model, "optim": optimizer},
+                                {"model": CFG})
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, gathered)
+        if rank == 0:
+            torch.save({"state_dict": full, "gathered": per_rank}, out / f"{name}.pt")
 
 
 @pytest.fixture(scope="module")
