@@ -885,4 +885,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:  # a torchrun worker whose command is complete
+        parallel.exit_now(code)
+    sys.exit(code)

@@ -549,3 +549,5 @@ if __name__ == "__main__":
     except (data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if "RANK" in os.environ:  # a torchrun worker whose run is complete
+        parallel.exit_now(0)

@@ -6,10 +6,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import traceback
 
 import pytest
 
 import data
+import parallel
 
 # A structurally complete AfMoE (dense first layer, 3 local + 1 global, shared + routed experts) at toy width.
 TINY_MODEL_FLAGS = ["--dim=64", "--n_heads=4", "--n_kv_heads=2", "--head_dim=16", "--dense_hidden=128",
@@ -24,6 +26,17 @@ def corpus_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("corpus"))
     data.prepare(files, out_dir=out, val_fraction=0.1, workers=1, quiet=True)
     return out
+
+
+def run_worker(fn, *args):
+    """Entry point of a torchrun worker in a test file: fn(*args), then parallel.exit_now (no interpreter shutdown,
+    see there). An exception still fails the rank, with its traceback."""
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        parallel.exit_now(1)
+    parallel.exit_now(0)
 
 
 def torchrun(nproc: int, *args: str, timeout_s: int = 400):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import bench
 import parallel
 import train
-from conftest import TINY_MODEL_FLAGS
+from conftest import TINY_MODEL_FLAGS, run_worker
 from model import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,4 +253,4 @@ def test_mistyped_flags_and_commands_name_the_closest(capsys, argv, message):
 
 
 if __name__ == "__main__":
-    two_rank_worker(Path(sys.argv[1]))
+    run_worker(two_rank_worker, Path(sys.argv[1]))

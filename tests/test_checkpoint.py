@@ -27,6 +27,7 @@ import torch.nn as nn
 
 import checkpoint
 from checkpoint import export_hf, latest, load, load_hf, load_hf_into, save
+from conftest import run_worker
 from model import ModelConfig, Transformer
 
 # DCP warns on every single-process call; checkpoint.py silences it, pytest's per-test filters bring it back.
@@ -416,4 +417,4 @@ def test_cli(tmp_path, capsys):
         assert says in err and len(err.strip().splitlines()) == 1
 
 if __name__ == "__main__":
-    {"fsdp": fsdp_worker, "save-loop": save_loop}[sys.argv[1]](sys.argv[2])
+    run_worker({"fsdp": fsdp_worker, "save-loop": save_loop}[sys.argv[1]], sys.argv[2])

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import checkpoint
 import parallel
 import train
-from conftest import TINY_MODEL_FLAGS, torchrun
+from conftest import TINY_MODEL_FLAGS, run_worker, torchrun
 from model import ModelConfig, Transformer
 
 # 12 experts: on R2_S4_ep2 each rank holds 3 whole experts, on R1_S8_ep2 the efsdp shards are 2, 2, 2 and 0 experts.
@@ -264,4 +264,4 @@ def test_muon_beats_adamw_on_a_short_tiny_run(corpus_dir, tmp_path):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

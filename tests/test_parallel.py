@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from model import ModelConfig, Transformer
-from conftest import torchrun
+from conftest import run_worker, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
@@ -313,4 +313,4 @@ def test_single_process_build_and_clip():
 
 if __name__ == "__main__":
     OUT = Path(sys.argv[2])
-    worker(sys.argv[1])
+    run_worker(worker, sys.argv[1])
