@@ -870,7 +870,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run = {"step": bench_step, "moe": bench_moe, "plan": bench_plan, "vs-hf": bench_vs_hf}[command]
             result = run(args, tc, overrides)
-            parallel.destroy()  # once the command's model is out of scope
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -885,7 +884,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if "RANK" in os.environ:  # a torchrun worker whose command is complete
-        parallel.exit_now(code)
-    sys.exit(code)
+    sys.exit(parallel.finish(main()))  # after main returned: the command's model is out of scope

@@ -590,14 +590,11 @@ def load_hf_into(model, hf_dir: str):
     calls it and reads from the safetensors files only the rows of the shards it holds (torch.distributed.checkpoint
     with its Hugging Face reader), so no rank ever holds the whole model. Weights stored in another dtype (a bf16
     export) are converted to the model's."""
-    from safetensors import safe_open
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    _, files = _hf_folder(hf_dir)
-    shapes = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    _hf_folder(hf_dir)  # config.json and the weight files the index names are there
+    reader = HuggingFaceStorageReader(hf_dir)
+    shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
     wanted = {_hf_name(k): v for k, v in tensors.items()}
     _check_hf_names(set(shapes), wanted)
@@ -607,7 +604,7 @@ def load_hf_into(model, hf_dir: str):
         raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
                          f"of this model's config, or drop the flags that change it.")
     _, world = _rank_world()
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=world == 1 and not dist.is_initialized())
+    dcp.load(wanted, storage_reader=reader, no_dist=world == 1 and not dist.is_initialized())
     set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
 
 

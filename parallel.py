@@ -99,21 +99,23 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
 def destroy():
     """Tear the process groups down at the end of a run, once the model and optimizer are out of scope. FSDP states
     and device meshes sit in reference cycles that hold process groups and their gloo work objects: collected here,
-    while the interpreter is whole, rather than during its shutdown, where destroying them can abort the process
-    ("terminate called without an active exception")."""
+    while the interpreter is whole, rather than during its shutdown."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()
 
 
-def exit_now(code: int):
-    """End a torchrun worker without interpreter shutdown, once its work is done, written and destroy() has run. A
-    rank can otherwise abort while shutdown destroys gloo's leftover work objects ("terminate called without an
-    active exception"; a few times in a hundred launches here), and torchrun then reports a finished run as failed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def finish(code: int) -> int:
+    """The end of a process whose run is over: destroy(); then a torchrun worker leaves at once, without interpreter
+    shutdown. A rank whose work is done and written can otherwise abort while shutdown destroys gloo's leftover work
+    objects ("terminate called without an active exception"; a few times in a hundred launches here), and torchrun
+    then reports a finished run as failed. Returns `code` in a plain process."""
+    destroy()
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:

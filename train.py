@@ -545,9 +545,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
 if __name__ == "__main__":
     try:
         main(*parse_args())
-        parallel.destroy()  # after main returned: the model and optimizer are out of scope
     except (data.DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if "RANK" in os.environ:  # a torchrun worker whose run is complete
-        parallel.exit_now(0)
+    parallel.finish(0)  # after main returned: the model and optimizer are out of scope

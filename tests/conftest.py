@@ -29,14 +29,14 @@ def corpus_dir(tmp_path_factory):
 
 
 def run_worker(fn, *args):
-    """Entry point of a torchrun worker in a test file: fn(*args), then parallel.exit_now (no interpreter shutdown,
-    see there). An exception still fails the rank, with its traceback."""
+    """Entry point of a torchrun worker in a test file: fn(*args), then parallel.finish (no interpreter shutdown, see
+    there). An exception still fails the rank, with its traceback."""
     try:
         fn(*args)
     except BaseException:
         traceback.print_exc()
-        parallel.exit_now(1)
-    parallel.exit_now(0)
+        parallel.finish(1)
+    parallel.finish(0)
 
 
 def torchrun(nproc: int, *args: str, timeout_s: int = 400):

@@ -139,21 +139,15 @@ def test_plan_memory_matches_a_real_model(one_thread):
 
 
 def two_rank_worker(out: Path):
-    """Under torchrun: FSDP over 2 ranks with the experts split over ep=2; each rank's measured bytes."""
+    """Under torchrun (run_worker tears the process group down): FSDP over 2 ranks with the experts split over
+    ep=2; each rank's measured bytes."""
     rank, world, device = parallel.init_distributed(timeout_s=120)
-    try:
-        (out / f"rank{rank}.json").write_text(json.dumps(two_rank_bytes(rank, world, device)))
-    finally:
-        parallel.destroy()  # after two_rank_bytes returned: no model left in scope
-
-
-def two_rank_bytes(rank: int, world: int, device: torch.device) -> dict:
     layout = parallel.Layout(world, dp_replicate=1, ep=2)
     tc = train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, seq_len=SEQ)
     model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
     optimizer = train.build_optimizer(model, tc, fused=False)
     batch = bench.synthetic_batch(CFG.vocab_size, GLOBAL_BATCH, SEQ, rank, world, 0)
-    return measured_bytes(model, optimizer, tc, batch)
+    (out / f"rank{rank}.json").write_text(json.dumps(measured_bytes(model, optimizer, tc, batch)))
 
 
 def test_plan_memory_matches_two_fsdp_ranks(tmp_path):

@@ -154,15 +154,9 @@ def test_build_optimizer_groups():
 # 8 ranks: the worker (this file under torchrun)
 
 def worker(out: Path):
+    """Both layouts in turn (run_worker tears the process group down); each saves its final parameters and what
+    Muon gathered per rank."""
     rank, world, device = parallel.init_distributed(timeout_s=120)
-    try:
-        run_layouts(out, rank, world, device)
-    finally:
-        parallel.destroy()  # after run_layouts returned: no model or optimizer left in scope
-
-
-def run_layouts(out: Path, rank: int, world: int, device: torch.device):
-    """Both layouts in turn; each saves its final parameters and what Muon gathered per rank."""
     init = torch.load(out / "init.pt")
     for name, layout_kwargs in LAYOUTS.items():
         layout = parallel.Layout(world, **layout_kwargs)

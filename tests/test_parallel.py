@@ -141,22 +141,20 @@ def run_layout(name, init, tokens, rank, world, device):
 
 
 def worker(mode):
+    """Every layout of this world size in turn (run_worker tears the process group down)."""
     rank, world, device = parallel.init_distributed(timeout_s=120)
-    try:
-        init = torch.load(OUT / "init.pt")
-        if mode == "two":
-            # A layout that cannot work raises the same sentence on every rank, before any collective.
-            try:
-                parallel.Layout(world, **BAD_LAYOUT[0]).check(CFG, GLOBAL_BATCH, BAD_LAYOUT[1])
-                message = "no error"
-            except ValueError as e:
-                message = str(e)
-            (OUT / f"bad_layout_rank{rank}.txt").write_text(message)
-        for name, run in RUNS.items():
-            if run["world"] == world:
-                run_layout(name, init["state_dict"], init["tokens"], rank, world, device)
-    finally:
-        parallel.destroy()
+    init = torch.load(OUT / "init.pt")
+    if mode == "two":
+        # A layout that cannot work raises the same sentence on every rank, before any collective.
+        try:
+            parallel.Layout(world, **BAD_LAYOUT[0]).check(CFG, GLOBAL_BATCH, BAD_LAYOUT[1])
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        (OUT / f"bad_layout_rank{rank}.txt").write_text(message)
+    for name, run in RUNS.items():
+        if run["world"] == world:
+            run_layout(name, init["state_dict"], init["tokens"], rank, world, device)
 
 
 # ------------------------------------------------------------------------------------------------------------------
