@@ -44,7 +44,7 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import PRESETS, FeedForward, MoE, grouped_mm_supported, meta_model
+from model import PRESETS, FeedForward, MoE, grouped_mm_supported, head_chunk_rows, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
             "plan": "memory, traffic and days for a model on a GPU layout, without allocating it",
@@ -338,7 +338,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         result["phases_ms"] = time_phases(model, optimizer, step, device, min(3, args.iters))
         total = sum(result["phases_ms"].values())
         say("phases (a separate pass: hooks synchronise and read the clock at each boundary; FSDP all-gathers and "
-            "reduce-scatters run inside forward and backward):")
+            "reduce-scatters run inside forward and backward; forward includes the output head's gradients, which "
+            "the fused loss computes with the loss):")
         for label, v in result["phases_ms"].items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
         if tc.compile:
@@ -497,9 +498,11 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
       routed experts, per K pairs    c(D + 5I) + 20: gathered input, gate_up output (2I), silu output, product,
                                      product x gate (the down input); the fp32 gate; two int64 index vectors
       block                          4 norms of D, cD FFN input, attention, then SwiGLU or router + experts + shared
-      head                           cD + 4 + cD + 4V   final norm, head input, fp32 log-probabilities (which
-                                     become the logits' gradient in place, model._HeadCrossEntropy); with c = 2
-                                     a transient cV (the logits before their fp32 copy, the gradient cast back)
+      head                           cD + 4 + cD   final norm, and the head input's gradient, which
+                                     model.head_cross_entropy computes in forward along with the weight's
+    and per micro-batch the head weight's fp32 gradient 4VD; at the loss a transient of one chunk of R rows of
+    logits (model.head_chunk_rows on a GPU), 4RV fp32, plus with c = 2 the chunk's logits and gradient 2cRV and the
+    bf16 weight copy and chunk product of the weight gradient 2cVD.
     selective AC keeps the block input and the outputs of matmuls, attention and all-to-alls (parallel._sac_policy):
       cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router 4E + experts K·c(2I + D)
       + shared c(2Is + D) + 2K·cD with ep > 1; full AC keeps the block input cD."""
@@ -516,12 +519,15 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
         full_layer.append(4 * (c * D + 4) + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
         sel_layer.append(c * D + attn_sel + (experts_sel if moe else c * (2 * cfg.dense_hidden + D)))
     tokens = micro_batch * seq
-    head, head_transient = (c * D + 4) + c * D + 4 * V, (c * V if c < 4 else 0)
+    head = (c * D + 4) + c * D
+    R = min(tokens, head_chunk_rows(V, torch.device("cuda")))
+    head_transient = 4 * R * V + (2 * c * R * V + 2 * c * V * D if c < 4 else 0)
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     recompute = max(full_layer)
-    return {mode: {"saved": tokens * saved[mode],
-                   "peak": tokens * (saved[mode] + max(head_transient, 0 if mode == "none" else recompute))}
+    return {mode: {"saved": tokens * saved[mode] + 4 * V * D,
+                   "peak": tokens * saved[mode] + 4 * V * D
+                   + max(head_transient, 0 if mode == "none" else tokens * recompute)}
             for mode in AC_MODES}
 
 

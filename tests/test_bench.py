@@ -51,10 +51,10 @@ def test_plan_seed_layout(capsys):
     assert sum(plan["memory_gib"].values()) == pytest.approx(plan["memory_gib_per_gpu"])
     # 17T tokens x 99.2 GFLOP at 40% of 2048 x 2.25 PFLOP/s
     assert plan["days"] == pytest.approx(17e12 * 99.2e9 / (2048 * 2250e12 * 0.4) / 86400, rel=0.01)
-    # Without activation checkpointing one 8192-token sequence per micro-batch fits a B300 (barely), two do not;
-    # with full AC the plan fits with room to spare. Holding unsharded fp32 gradients between micro-batches
+    # Without activation checkpointing one 8192-token sequence per micro-batch fits a B300 in about 200 GiB, two do
+    # not; with full AC the plan fits with room to spare. Holding unsharded fp32 gradients between micro-batches
     # (--grad_sync=last) would not fit even then.
-    assert code == 0 and plan["fits"] and plan["memory_gib_per_gpu"] > 0.7 * 288
+    assert code == 0 and plan["fits"] and plan["memory_gib_per_gpu"] > 0.65 * 288
     code, two = run_json(capsys, SEED_LAYOUT + ["--micro_batch=2"])
     assert code == 1 and not two["fits"] and "try --ac=full" in two["reason"]
     code, plan = run_json(capsys, SEED_LAYOUT + ["--ac=full"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 import parallel
 import train
 from model import ModelConfig, Transformer, expert_ffn
@@ -91,8 +92,11 @@ def test_grouped_mm_bf16_matches_loop_on_cuda():
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_fused_head_loss_on_cuda(autocast):
-    """The in-place log-softmax and gradient of the fused head loss against F.cross_entropy, on CUDA."""
+@pytest.mark.parametrize("chunk_rows", [48, 128])
+def test_fused_head_loss_on_cuda(autocast, chunk_rows, monkeypatch):
+    """The chunked, in-place log-softmax and gradients of the fused head loss against F.cross_entropy, on CUDA, in
+    chunks of 48 rows (the last one partial) and in one."""
+    monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, CUDA.type, chunk_rows * CFG.vocab_size * 4)
     g = torch.Generator().manual_seed(0)
     model = Transformer(CFG).to(CUDA)
     h_BTD = torch.randn(2, 64, CFG.dim, generator=g).to(CUDA)
