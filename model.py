@@ -532,6 +532,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     rows = head_chunk_rows(V, device)
+    rows = -(-N // -(-N // rows))  # the same rows in every chunk, none over the budget
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
         logp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
