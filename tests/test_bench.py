@@ -190,6 +190,7 @@ def test_vs_hf_times_both_on_the_same_config(capsys):
                                   "--warmup=0", "--threads=1", "--json"])
     assert code == 0 and out["ours_ms"] > 0 and out["hf_ms"] > 0
     assert out["speedup"] == pytest.approx(out["hf_ms"] / out["ours_ms"])
+    assert out["speedup_paired"] == pytest.approx(out["speedup"])  # one pair: its ratio is the ratio of medians
     assert out["first_loss_diff"] < 1e-4  # the same weights give the same LM loss: the same model was timed
 
 
