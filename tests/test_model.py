@@ -71,21 +71,32 @@ def test_config_round_trip():
 
 
 @pytest.mark.parametrize("shape", [(3, 7, 64), (2, 5, 4, 16)])
-def test_rms_norm_matches_autograd_of_its_definition(shape):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_autograd_of_its_definition(shape, dtype):
+    """The hand-written backward against autograd through the definition (fp32, then cast back), with an upstream
+    gradient that is not contiguous (as attention's transposes give the q/k norms)."""
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(shape[-1], 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=g))
-    x, dy = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    dy = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=g).to(dtype).transpose(-1, -2)
+
+    def definition(x):
+        x32 = x.float()
+        return (norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps))).to(x.dtype)
+
     results = []
-    for forward in (norm, lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))):
+    for forward in (norm, definition):
         norm.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         y = forward(xi)
         y.backward(dy)
         results.append((y, xi.grad, norm.weight.grad))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for ours, ref in zip(*results):
-        assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+        assert ours.dtype == ref.dtype
+        assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
 # --- the output head fused with the cross-entropy
