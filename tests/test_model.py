@@ -65,6 +65,25 @@ def test_logits_match_transformers_to_hf():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
 
 
+def test_compiled_rms_norm_matches_eager():
+    """The hand-written RMSNorm inside torch.compile (aot_eager) gives eager's output and gradients. torch 2.11 got
+    the gradients wrong when the autograd function's output was an in-place result or a no-op cast."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=g))
+    x, dy = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g)
+    results = []
+    for forward in (norm, torch.compile(norm, backend="aot_eager")):
+        norm.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = forward(xi)
+        y.backward(dy)
+        results.append((y, xi.grad, norm.weight.grad))
+    for ours, ref in zip(*results):
+        assert torch.allclose(ours, ref, atol=1e-6, rtol=1e-6)
+
+
 def test_config_round_trip():
     for cfg in PRESETS.values():
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
