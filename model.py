@@ -545,7 +545,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
         picked_N1 = torch.empty(N, 1, dtype=torch.float32, device=device)
         if grads:
             dh_ND = torch.empty_like(h_ND)
-            dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
+            dweight_VD = torch.empty(V, D, dtype=torch.float32, device=device)  # the first chunk overwrites it
             h_valid_ND = h_ND * valid_N1
             minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
         for start in range(0, N, rows):
@@ -561,9 +561,11 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
                 grad = logp.exp_().scatter_add_(1, targets_N1[start:end], minus_one_C1[:end - start]).to(mm_dtype)
                 torch.mm(grad, weight_VD, out=dh_ND[start:end])
                 if grad.dtype == torch.float32:
-                    dweight_VD.addmm_(grad.t(), h_valid_ND[start:end])
-                else:
+                    dweight_VD.addmm_(grad.t(), h_valid_ND[start:end], beta=1 if start else 0)
+                elif start:
                     dweight_VD += grad.t() @ h_valid_ND[start:end]
+                else:
+                    dweight_VD.copy_(grad.t() @ h_valid_ND[start:end])
         n_valid = valid_N1.sum()
         loss = -torch.where(valid_N1, picked_N1, 0.0).sum() / n_valid
     if not grads:
