@@ -233,7 +233,8 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
 
 def print_components(table: dict, wall_ms: float, say, what: str):
     say(f"where the time goes ({what}; profiler self time per op, a backward op charged to the component whose forward "
-        f"created it, recomputation under AC counted as forward):")
+        f"created it, recomputation under AC counted as forward; the output head's gradients are made in its "
+        f"forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
         share = 100 * row["total"] / wall_ms
