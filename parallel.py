@@ -384,9 +384,16 @@ def apply_ac(model: Transformer, mode: str):
         block.forward = _checkpointed(block.forward, context_fn)
 
 
+# One Block.forward serves every layer, so dynamo compiles it once per kind of block (dense or MoE FFN, local or
+# global attention), grad mode (training, evaluation) and batch shape: more variants than its default limit of 8,
+# past which the rest would run eagerly.
+RECOMPILE_LIMIT = 64
+
+
 def apply_compile(model: Transformer, backend: str = "inductor"):
     """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
     all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.layers.values():
         block.compile(backend=backend)
 

@@ -309,6 +309,21 @@ def test_single_process_build_and_clip():
         assert torch.equal(p.grad, g)
 
 
+def test_compiled_blocks_never_fall_back_to_eager():
+    """Training and evaluation at two batch sizes compile more variants of Block.forward than dynamo's default limit
+    of 8 (dense and MoE, local and global blocks, grad on and off, two shapes); apply_compile raises the limit, so
+    none of them is left to run eagerly (dynamo is told to fail instead)."""
+    model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"), compile="aot_eager")
+    for moe in model.moe_layers():  # torch 2.13 cannot trace fp32 grouped_mm on CPU (its fake kernel wants bf16)
+        moe.experts.impl = "loop"
+    tokens = batches()[0, :4]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        model(tokens[:, :-1], targets_BT=tokens[:, 1:]).backward()
+        with torch.no_grad():
+            for rows in (4, 1):
+                model(tokens[:rows, :-1], targets_BT=tokens[:rows, 1:])
+
+
 if __name__ == "__main__":
     OUT = Path(sys.argv[2])
     run_worker(worker, sys.argv[1])
