@@ -526,9 +526,9 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     recompute = max(full_layer)
-    return {mode: {"saved": tokens * saved[mode] + 4 * V * D,
-                   "peak": tokens * saved[mode] + 4 * V * D
-                   + max(head_transient, 0 if mode == "none" else tokens * recompute)}
+    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in AC_MODES}
+    return {mode: {"saved": kept[mode], "peak": kept[mode] + max(head_transient, 0 if mode == "none" else
+                                                                    tokens * recompute)}
             for mode in AC_MODES}
 
 

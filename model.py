@@ -570,7 +570,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
         loss = -torch.where(valid_N1, picked_N1, 0.0).sum() / n_valid
     if not grads:
         return loss, n_valid
-    return loss, n_valid, dh_ND * valid_N1, dweight_VD
+    return loss, n_valid, dh_ND.mul_(valid_N1), dweight_VD
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
