@@ -526,23 +526,35 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
 
 
+# A row's exponentials need no shift by its max when their sum lies in this range (log-sum-exp between -46 and 69):
+# none overflows, and those that underflow are below 1e-18 of the sum. A language model's head rows almost always
+# do; a chunk with a row that does not is computed again with each row's max subtracted.
+UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
+
+
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """Cross-entropy of the logits h @ weight.T against targets (rows whose target is -100 are ignored, as in
     F.cross_entropy), a chunk of rows at a time, so the [N, V] logits never exist whole. Returns (mean loss, number
     of valid rows) and, with grads, the gradients of the summed loss with respect to h and weight, computed in the
-    same pass: each chunk's log-probabilities become softmax - onehot in place and go straight into the two
-    matmuls. Ignored rows are zeroed on the [N, D] side. Under autocast the matmuls run in its dtype, the softmax
-    and the weight gradient's sum over chunks in fp32."""
+    same pass from each chunk's exponentials E (overwriting its logits) and their row sums s:
+      fp32:       dh = (E @ weight) / s - weight[target], dweight = E.T @ (h / s) - onehot.T @ h, so the division
+                  and the one-hot touch [N, D] tensors, never the [rows, V] chunk;
+      under autocast, where the matmuls round their inputs: E becomes softmax - onehot in fp32 first, as
+                  F.cross_entropy's gradient does, so a confident row's gradient is not the difference of two
+                  rounded numbers.
+    The softmax and the weight gradient's sum over chunks stay fp32. Ignored rows are zeroed on the [N, D] side."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
+    exact = mm_dtype == torch.float32
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
     rows = max(1, -(-N // n_chunks))  # equal chunks, none over the budget (no short last chunk that reads all of W)
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
-        logp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
+        exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
         picked_N1 = torch.empty(N, 1, dtype=torch.float32, device=device)
+        lse_N1 = torch.empty(N, 1, dtype=torch.float32, device=device)
         if grads:
             dh_ND = torch.empty_like(h_ND)
             dweight_VD = torch.empty(V, D, dtype=torch.float32, device=device)  # the first chunk overwrites it
@@ -550,26 +562,44 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
         for start in range(0, N, rows):
             end = min(start + rows, N)
-            logp = logp_CV[:end - start]
-            if mm_dtype == torch.float32:
-                torch.mm(h_ND[start:end], weight_VD.t(), out=logp)
-            else:
-                logp.copy_(h_ND[start:end] @ weight_VD.t())
-            torch.log_softmax(logp, -1, out=logp)  # row by row: each element is read before it is written
-            torch.gather(logp, 1, targets_N1[start:end], out=picked_N1[start:end])
-            if grads:
-                grad = logp.exp_().scatter_add_(1, targets_N1[start:end], minus_one_C1[:end - start]).to(mm_dtype)
-                torch.mm(grad, weight_VD, out=dh_ND[start:end])
-                if grad.dtype == torch.float32:
-                    dweight_VD.addmm_(grad.t(), h_valid_ND[start:end], beta=1 if start else 0)
-                elif start:
-                    dweight_VD += grad.t() @ h_valid_ND[start:end]
+            e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
+
+            def logits():
+                if exact:
+                    torch.mm(h, weight_VD.t(), out=e)
                 else:
-                    dweight_VD.copy_(grad.t() @ h_valid_ND[start:end])
+                    e.copy_(h @ weight_VD.t())
+
+            logits()
+            torch.gather(e, 1, t, out=picked_N1[start:end])
+            s = e.exp_().sum(-1, keepdim=True)
+            shift = 0.0
+            if not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all()):
+                logits()
+                shift = e.amax(-1, keepdim=True)
+                s = e.sub_(shift).exp_().sum(-1, keepdim=True)
+            torch.add(s.log(), shift, out=lse_N1[start:end])
+            if not grads:
+                continue
+            if exact:
+                g, h_g = e, h_valid_ND[start:end] / s
+            else:
+                g, h_g = e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]).to(mm_dtype), h_valid_ND[start:end]
+            torch.mm(g, weight_VD, out=dh_ND[start:end])
+            if exact:
+                dh_ND[start:end].div_(s)
+                dweight_VD.addmm_(g.t(), h_g, beta=1 if start else 0)
+            elif start:
+                dweight_VD += g.t() @ h_g
+            else:
+                dweight_VD.copy_(g.t() @ h_g)
         n_valid = valid_N1.sum()
-        loss = -torch.where(valid_N1, picked_N1, 0.0).sum() / n_valid
+        loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
     if not grads:
         return loss, n_valid
+    if exact:  # the one-hot's share of both gradients
+        dh_ND.sub_(weight_VD.index_select(0, targets_N1.squeeze(1)))
+        dweight_VD.index_add_(0, targets_N1.squeeze(1), h_valid_ND, alpha=-1)
     return loss, n_valid, dh_ND.mul_(valid_N1), dweight_VD
 
 

@@ -162,6 +162,37 @@ def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore, chu
     assert sum(saved.values()) <= h_BTD.nbytes + model.head.weight.nbytes + 64  # dh, dweight and a count
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(autocast, monkeypatch):
+    """Rows whose logits are all near +150 (exp overflows) or all near -150 (exp underflows to zero) leave
+    model.UNSHIFTED_SUM_RANGE, and their chunk is computed again with each row's max subtracted: the loss and both
+    gradients still match F.cross_entropy (under the same autocast: bf16 logits near 150 are only good to 0.5), in
+    chunks that hold such rows, ordinary ones, or both."""
+    g = torch.Generator().manual_seed(2)
+    model = Transformer(small_cfg(vocab_size=256))
+    N, D, V = 24, model.cfg.dim, model.cfg.vocab_size
+    monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, "cpu", 4 * V * 4)  # chunks of 4 rows
+    with torch.no_grad():
+        model.head.weight.copy_(torch.randn(V, D, generator=g) * 0.3)
+        model.head.weight[:, 0] = 1.0  # h[:, 0] moves all of a row's logits together
+    h_ND = torch.randn(N, D, generator=g)
+    h_ND[:, 0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 150.0, -150.0, 0.0, 150.0] * 3)
+    targets_BT = torch.randint(0, V, (1, N), generator=g)
+    results = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        h = h_ND.clone().unsqueeze(0).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = (model.head_loss(h, targets_BT) if fused else
+                    F.cross_entropy(model.head(h).flatten(0, 1), targets_BT.flatten()))
+        (2.5 * loss).backward()
+        results.append((loss, h.grad, model.head.weight.grad))
+    tol = 2e-2 if autocast else 1e-5
+    for ours, ref in zip(*results):
+        assert torch.isfinite(ours).all()
+        assert (ours - ref).abs().max() <= tol * ref.abs().max()
+
+
 def test_model_loss_is_the_cross_entropy_of_its_logits():
     g = torch.Generator().manual_seed(1)
     model = Transformer(small_cfg())
