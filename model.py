@@ -528,7 +528,8 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
 
 # A row's exponentials need no shift by its max when their sum lies in this range (log-sum-exp between -46 and 69):
 # none overflows, and those that underflow are below 1e-18 of the sum. A language model's head rows almost always
-# do; a chunk with a row that does not is computed again with each row's max subtracted.
+# do; a chunk with a row that does not is computed again with each row's max subtracted. The check is read on the
+# host, once per chunk.
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
