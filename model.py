@@ -546,7 +546,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     The softmax and the weight gradient's sum over chunks stay fp32. Ignored rows are zeroed on the [N, D] side."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
-    exact = mm_dtype == torch.float32
+    fp32 = mm_dtype == torch.float32
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
@@ -560,13 +560,14 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dh_ND = torch.empty_like(h_ND)
             dweight_VD = torch.empty(V, D, dtype=torch.float32, device=device)  # the first chunk overwrites it
             h_valid_ND = h_ND * valid_N1
-            minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
+            if not fp32:
+                minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
         for start in range(0, N, rows):
             end = min(start + rows, N)
             e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
 
             def logits():
-                if exact:
+                if fp32:
                     torch.mm(h, weight_VD.t(), out=e)
                 else:
                     e.copy_(h @ weight_VD.t())
@@ -582,23 +583,22 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             torch.add(s.log(), shift, out=lse_N1[start:end])
             if not grads:
                 continue
-            if exact:
-                g, h_g = e, h_valid_ND[start:end] / s
-            else:
-                g, h_g = e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]).to(mm_dtype), h_valid_ND[start:end]
-            torch.mm(g, weight_VD, out=dh_ND[start:end])
-            if exact:
-                dh_ND[start:end].div_(s)
-                dweight_VD.addmm_(g.t(), h_g, beta=1 if start else 0)
-            elif start:
-                dweight_VD += g.t() @ h_g
-            else:
-                dweight_VD.copy_(g.t() @ h_g)
+            if fp32:  # the division by s here, on [rows, D]; the one-hot's share after the loop
+                torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
+                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s, beta=1 if start else 0)
+            else:  # softmax - onehot in fp32, then rounded for the matmuls
+                g = e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]).to(mm_dtype)
+                torch.mm(g, weight_VD, out=dh_ND[start:end])
+                update_VD = g.t() @ h_valid_ND[start:end]
+                if start:
+                    dweight_VD += update_VD
+                else:
+                    dweight_VD.copy_(update_VD)
         n_valid = valid_N1.sum()
         loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
     if not grads:
         return loss, n_valid
-    if exact:  # the one-hot's share of both gradients
+    if fp32:  # the one-hot's share of both gradients
         dh_ND.sub_(weight_VD.index_select(0, targets_N1.squeeze(1)))
         dweight_VD.index_add_(0, targets_N1.squeeze(1), h_valid_ND, alpha=-1)
     return loss, n_valid, dh_ND.mul_(valid_N1), dweight_VD
