@@ -538,15 +538,15 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     F.cross_entropy), a chunk of rows at a time, so the [N, V] logits never exist whole. Returns (mean loss, number
     of valid rows) and, with grads, the gradients of the summed loss with respect to h and weight, computed in the
     same pass from each chunk's exponentials E (overwriting its logits) and their row sums s:
-      fp32:       dh = (E @ weight) / s - weight[target], dweight = E.T @ (h / s) - onehot.T @ h, so the division
-                  and the one-hot touch [N, D] tensors, never the [rows, V] chunk;
-      under autocast, where the matmuls round their inputs: E becomes softmax - onehot in fp32 first, as
-                  F.cross_entropy's gradient does, so a confident row's gradient is not the difference of two
-                  rounded numbers.
+      fp32 matmuls: dh = (E @ weight) / s - weight[target], dweight = E.T @ (h / s) - onehot.T @ h, so the
+          division and the one-hot touch [N, D] tensors, never the [rows, V] chunk;
+      matmuls that round their inputs (autocast, or TF32 where torch.set_float32_matmul_precision allows it): E
+          becomes softmax - onehot in fp32 first, as F.cross_entropy's gradient does, so a confident row's
+          gradient is not the difference of two rounded numbers.
     The softmax and the weight gradient's sum over chunks stay fp32. Ignored rows are zeroed on the [N, D] side."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
-    fp32 = mm_dtype == torch.float32
+    fp32 = mm_dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
