@@ -528,8 +528,8 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
 
 # A row's exponentials need no shift by its max when their sum lies in this range (log-sum-exp between -46 and 69):
 # none overflows, and those that underflow are below 1e-18 of the sum. A language model's head rows almost always
-# do; a chunk with a row that does not is computed again with each row's max subtracted. The check is read on the
-# host, once per chunk.
+# do; a chunk with a row that does not is computed again with each row's max subtracted, and so are the chunks
+# after it in the same call. The check is read on the host, once per chunk until then.
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
@@ -562,6 +562,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             h_valid_ND = h_ND * valid_N1
             if not fp32:
                 minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
+        shifted = False  # once a chunk leaves UNSHIFTED_SUM_RANGE, the rest of the rows subtract their max at once
         for start in range(0, N, rows):
             end = min(start + rows, N)
             e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
@@ -574,10 +575,13 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
 
             logits()
             torch.gather(e, 1, t, out=picked_N1[start:end])
-            s = e.exp_().sum(-1, keepdim=True)
             shift = 0.0
-            if not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all()):
-                logits()
+            if not shifted:
+                s = e.exp_().sum(-1, keepdim=True)
+                shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
+                if shifted:
+                    logits()
+            if shifted:
                 shift = e.amax(-1, keepdim=True)
                 s = e.sub_(shift).exp_().sum(-1, keepdim=True)
             torch.add(s.log(), shift, out=lse_N1[start:end])

@@ -167,7 +167,7 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
     """Rows whose logits are all near +150 (exp overflows) or all near -150 (exp underflows to zero) leave
     model.UNSHIFTED_SUM_RANGE, and their chunk is computed again with each row's max subtracted: the loss and both
     gradients still match F.cross_entropy (under the same autocast: bf16 logits near 150 are only good to 0.5), in
-    chunks that hold such rows, ordinary ones, or both."""
+    an ordinary chunk before any such row (unshifted), chunks that hold them, and the chunks after (shifted)."""
     g = torch.Generator().manual_seed(2)
     model = Transformer(small_cfg(vocab_size=256))
     N, D, V = 24, model.cfg.dim, model.cfg.vocab_size
