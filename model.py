@@ -533,6 +533,14 @@ def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
+def fp32_matmul_is_exact(device: torch.device) -> bool:
+    """Whether fp32 matmuls on this device run in full fp32, not in TF32 or bf16 passes (which
+    torch.set_float32_matmul_precision or a backend's fp32_precision can allow). Read from the backend's own
+    setting: the global getter raises once the legacy and the per-backend APIs have both been used."""
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+    return getattr(backend, "fp32_precision", "none") in ("none", "ieee")  # "none": not set, full fp32
+
+
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """Cross-entropy of the logits h @ weight.T against targets (rows whose target is -100 are ignored, as in
     F.cross_entropy), a chunk of rows at a time, so the [N, V] logits never exist whole. Returns (mean loss, number
@@ -540,13 +548,13 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     same pass from each chunk's exponentials E (overwriting its logits) and their row sums s:
       fp32 matmuls: dh = (E @ weight) / s - weight[target], dweight = E.T @ (h / s) - onehot.T @ h, so the
           division and the one-hot touch [N, D] tensors, never the [rows, V] chunk;
-      matmuls that round their inputs (autocast, or TF32 where torch.set_float32_matmul_precision allows it): E
+      matmuls that round their inputs (autocast, or fp32 allowed TF32 or bf16 passes: fp32_matmul_is_exact): E
           becomes softmax - onehot in fp32 first, as F.cross_entropy's gradient does, so a confident row's
           gradient is not the difference of two rounded numbers.
     The softmax and the weight gradient's sum over chunks stay fp32. Ignored rows are zeroed on the [N, D] side."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
-    fp32 = mm_dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))

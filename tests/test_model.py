@@ -193,6 +193,39 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
         assert (ours - ref).abs().max() <= tol * ref.abs().max()
 
 
+
+@pytest.mark.parametrize("setting, cpu_exact", [("cuda tf32", True), ("cpu bf16", False), ("legacy high", False)])
+def test_fused_head_loss_under_reduced_fp32_matmul_precision(setting, cpu_exact):
+    """Users lower the fp32 matmul precision per backend or through torch.set_float32_matmul_precision (torch's
+    global getter then raises once both kinds of setting were used). The head loss reads its own device's setting:
+    it still runs, takes the rounding-safe path where CPU matmuls may round to TF32 or bf16, and matches
+    F.cross_entropy computed under the same setting. Every setting is restored afterwards."""
+    backends, cuda, cpu = torch.backends, torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    legacy, saved = torch.get_float32_matmul_precision(), (backends.fp32_precision, cuda.fp32_precision,
+                                                           cpu.fp32_precision)
+    try:
+        if setting == "cuda tf32":
+            cuda.fp32_precision = "tf32"
+        elif setting == "cpu bf16":
+            cpu.fp32_precision = "bf16"
+        else:
+            torch.set_float32_matmul_precision("high")
+        assert model_module.fp32_matmul_is_exact(torch.device("cpu")) == cpu_exact
+        g = torch.Generator().manual_seed(3)
+        h = torch.randn(30, 16, generator=g, requires_grad=True)
+        weight = (torch.randn(200, 16, generator=g) * 0.3).requires_grad_()
+        targets = torch.randint(0, 200, (30,), generator=g)
+        loss, n_valid, dh, dweight = model_module.head_cross_entropy(h.detach(), weight.detach(), targets, True)
+        ref = F.cross_entropy(h @ weight.t(), targets, reduction="sum")
+        ref_dh, ref_dweight = torch.autograd.grad(ref, (h, weight))
+    finally:
+        torch.set_float32_matmul_precision(legacy)
+        backends.fp32_precision, cuda.fp32_precision, cpu.fp32_precision = saved
+    assert torch.get_float32_matmul_precision() == legacy
+    tol = 1e-5 if cpu_exact else 2e-2
+    for ours, theirs in ((loss * n_valid, ref), (dh, ref_dh), (dweight, ref_dweight)):
+        assert (ours - theirs).abs().max() <= tol * theirs.abs().max()
+
 def test_model_loss_is_the_cross_entropy_of_its_logits():
     g = torch.Generator().manual_seed(1)
     model = Transformer(small_cfg())
