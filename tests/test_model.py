@@ -193,7 +193,6 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
         assert (ours - ref).abs().max() <= tol * ref.abs().max()
 
 
-
 @pytest.mark.parametrize("setting, cpu_exact", [("cuda tf32", True), ("cpu bf16", False), ("legacy high", False)])
 def test_fused_head_loss_under_reduced_fp32_matmul_precision(setting, cpu_exact):
     """Users lower the fp32 matmul precision per backend or through torch.set_float32_matmul_precision (torch's
@@ -225,6 +224,7 @@ def test_fused_head_loss_under_reduced_fp32_matmul_precision(setting, cpu_exact)
     tol = 1e-5 if cpu_exact else 2e-2
     for ours, theirs in ((loss * n_valid, ref), (dh, ref_dh), (dweight, ref_dweight)):
         assert (ours - theirs).abs().max() <= tol * theirs.abs().max()
+
 
 def test_model_loss_is_the_cross_entropy_of_its_logits():
     g = torch.Generator().manual_seed(1)
