@@ -295,7 +295,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
-                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
+                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
+                                 state_copies=train.state_copies(tc))
     optimizer = train.build_optimizer(model, tc)
     state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device),
              "skipped": 0, "bad_steps": 0}
@@ -669,7 +670,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     layout = parallel.Layout(1)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     torch.manual_seed(tc.seed)
-    ours = parallel.build_model(cfg, layout, None, device, ac=tc.ac, compile=tc.compile, seed=tc.seed)
+    ours = parallel.build_model(cfg, layout, None, device, ac=tc.ac, compile=tc.compile, seed=tc.seed,
+                                state_copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
                                          if k not in ("model_type", "architectures")}, use_cache=False)
     hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()

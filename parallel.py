@@ -73,6 +73,37 @@ def keep_freed_cpu_memory(threshold: int = 1 << 30):
     mallopt(M_TRIM_THRESHOLD, threshold)
 
 
+def host_memory_available() -> int | None:
+    """The kernel's estimate of the memory new allocations can take without swapping (MemAvailable), in bytes;
+    None where /proc/meminfo does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(model: nn.Module, copies: int):
+    """Refuse, before anything is allocated, a CPU model whose weights on this rank, times `copies` (the weights,
+    their gradients and the optimizer's moments: train.state_copies), cannot fit with the other ranks of this
+    machine in its available memory. Without this the kernel's OOM killer ends the run without a word. A lower
+    bound: activations and buffers are not counted, so a run it lets through may still need more."""
+    available = host_memory_available()
+    if available is None:
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    need = copies * sum(t.numel() * t.element_size() for t in local)
+    if need * ranks > available:
+        raise ValueError(f"the weights, gradients and optimizer state need {need / 2**30:.1f} GiB on each of this "
+                         f"machine's {ranks} rank(s) but only {available / 2**30:.1f} GiB of memory is available; "
+                         f"choose a smaller model (--preset, --n_layers, --n_experts), spread it over more machines "
+                         f"(FSDP shards it over all ranks), or train on GPUs.")
+
+
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
     collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group. On CPU it
@@ -421,12 +452,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, layout: Layout, ac:
 
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
-                seed: int = 0) -> Transformer:
+                seed: int = 0, state_copies: int = 1) -> Transformer:
     """Build on the meta device, parallelize, allocate only this rank's shards on `device` and initialise them
-    from `seed`, the same weights whatever the layout; no rank ever holds the full model."""
+    from `seed`, the same weights whatever the layout; no rank ever holds the full model. On CPU, a model whose
+    shards times `state_copies` cannot fit in memory is refused first (check_host_memory)."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     parallelize(model, mesh, layout, ac=ac, compile=compile, param_dtype=param_dtype)
+    if device.type == "cpu":
+        check_host_memory(model, state_copies)
     model.to_empty(device=device)
     torch.manual_seed(seed)
     # On CUDA, DTensor's RNG tracker draws each shard as its slice of one global stream. It is CUDA-only: on CPU each

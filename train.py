@@ -222,6 +222,12 @@ def build_optimizer(model, tc: TrainConfig, fused: bool = True):
     return parallel.Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)
 
 
+def state_copies(tc: TrainConfig) -> int:
+    """fp32 copies of the weights that training keeps at least: the weights, their gradients and the optimizer's
+    moments (AdamW two; Muon one for the hidden matrices, which are nearly all of them)."""
+    return 4 if tc.optimizer == "adamw" else 3
+
+
 def moe_layers(model) -> list:
     return model.moe_layers()
 
@@ -410,7 +416,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     # --- model: built on meta, sharded, then initialised shard by shard
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
-                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed)
+                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
+                                 state_copies=state_copies(tc))
     if tc.init_from_hf:
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")

@@ -309,6 +309,25 @@ def test_single_process_build_and_clip():
         assert torch.equal(p.grad, g)
 
 
+
+def test_model_too_big_for_memory_is_refused_before_allocation(monkeypatch):
+    """On CPU, build_model refuses a model whose shards times state_copies (weights, gradients, optimizer moments)
+    cannot fit, with this machine's other ranks, in its available memory: one sentence, before anything is
+    allocated (the OOM killer would end the run without a word). The same model alone on the machine is built."""
+    n_bytes = 4 * sum(p.numel() for p in Transformer(CFG).parameters())
+    monkeypatch.setattr(parallel, "host_memory_available", lambda: int(4 * n_bytes * 1.5))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"), state_copies=4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("memory was allocated before the check")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", allocate)
+    with pytest.raises(ValueError, match=r"need 0\.\d GiB on each of this machine's 2 rank\(s\) but only .* GiB of "
+                                         r"memory is available; choose a smaller model"):
+        parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"), state_copies=4)
+
 def test_compiled_blocks_never_fall_back_to_eager():
     """Training and evaluation at two batch sizes compile more variants of Block.forward than dynamo's default limit
     of 8 (dense and MoE, local and global blocks, grad on and off, two shapes); apply_compile raises the limit, so

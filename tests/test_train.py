@@ -65,6 +65,17 @@ def test_short_run_loss_falls_and_logs_everything(corpus_dir, tmp_path):
         assert json.load(f)["model"]["dim"] == 64
 
 
+
+def test_model_that_cannot_fit_in_memory_is_an_error(corpus_dir, tmp_path, monkeypatch):
+    """train.main asks build_model to check room for the weights, gradients and both AdamW moments (4 copies): a
+    machine with room for 3 refuses the run with the sentence train.py prints as its error."""
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=1"))
+    n_bytes = 4 * sum(p.numel() for p in train.meta_model(train.model_config(tc, overrides, 100352)).parameters())
+    monkeypatch.setattr(train.parallel, "host_memory_available", lambda: 3 * n_bytes)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="the weights, gradients and optimizer state need"):
+        train.main(tc, overrides)
+
 def test_non_finite_step_is_skipped(corpus_dir, tmp_path):
     tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1"))
     train.main(tc, overrides)
