@@ -56,8 +56,16 @@ class ModelConfig:
     z_loss_coef: float = 1e-6       # router z-loss (SPEC §4)
 
     def __post_init__(self):
-        problems = []
-        if self.n_heads % self.n_kv_heads:
+        problems = [f"{name}={getattr(self, name)} must be at least 1" for name in
+                    ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "window", "global_every",
+                     "max_seq_len", "n_experts", "expert_hidden") if getattr(self, name) < 1]
+        problems += [f"{name}={getattr(self, name)} must be above 0" for name in
+                     ("init_std", "norm_eps", "rope_theta", "route_scale") if not getattr(self, name) > 0]
+        problems += [f"{name}={getattr(self, name)} must be 0 or more" for name in
+                     ("n_shared_experts", "aux_loss_coef", "z_loss_coef") if getattr(self, name) < 0]
+        if self.n_dense_layers and self.dense_hidden < 1:
+            problems.append(f"dense_hidden={self.dense_hidden} must be at least 1 when there are dense layers")
+        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if not 0 < self.top_k <= self.n_experts:
             problems.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")

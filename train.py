@@ -109,6 +109,43 @@ class TrainConfig:
     skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this selection bias on the first "
                                     "2*top_k experts of every MoE layer, a router collapsed onto a few experts")
 
+    def __post_init__(self):
+        problems = [f"--{name}={getattr(self, name)} must be {requirement}"
+                    for name, ok, requirement in FLAG_RANGES if not ok(getattr(self, name))]
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
+
+# The numeric flags' valid ranges, checked when a TrainConfig is made (a value outside fails with one sentence
+# each, before anything runs). Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
+FLAG_RANGES = [
+    ("steps", lambda v: v >= 1, "at least 1"),
+    ("lr", lambda v: v >= 0, "0 or more"),
+    ("min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1"),
+    ("warmup_steps", lambda v: v >= 0, "0 or more"),
+    ("wsd_decay_frac", lambda v: 0 < v <= 1, "above 0 and at most 1"),
+    ("weight_decay", lambda v: v >= 0, "0 or more"),
+    ("beta1", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    ("beta2", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    ("muon_lr", lambda v: v >= 0, "0 or more"),
+    ("muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    ("grad_clip", lambda v: v >= 0, "0 (no clipping) or more"),
+    ("smebu_lambda", lambda v: v >= 0, "0 or more"),
+    ("smebu_beta", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    ("smebu_kappa", lambda v: v > 0, "above 0"),
+    ("sign_gamma", lambda v: v >= 0, "0 or more"),
+    ("bias_freeze_step", lambda v: v >= -1, "-1 (never) or a step number"),
+    ("log_every", lambda v: v >= 1, "at least 1"),
+    ("eval_every", lambda v: v >= 0, "0 (only at the end) or more"),
+    ("eval_batches", lambda v: v >= 1, "at least 1"),
+    ("peak_tflops", lambda v: v >= 0, "0 (from the device table) or more"),
+    ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
+    ("ckpt_every", lambda v: v >= 0, "0 (only at the end) or more"),
+    ("keep_ckpts", lambda v: v >= 1, "at least 1"),
+    ("step_timeout", lambda v: v >= 0, "0 (off) or more"),
+    ("max_bad_steps", lambda v: v >= 1, "at least 1"),
+]
+
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
 
@@ -150,7 +187,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
                            **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
     args = vars(parser.parse_args(argv))
     overrides = {k: args.pop(k) for k in MODEL_FIELDS if args.get(k) is not None}
-    tc = TrainConfig(**{k: v for k, v in args.items() if k in {f.name for f in fields(TrainConfig)}})
+    try:
+        tc = TrainConfig(**{k: v for k, v in args.items() if k in {f.name for f in fields(TrainConfig)}})
+    except ValueError as e:  # a numeric flag out of range (FLAG_RANGES)
+        parser.error(str(e))
     for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
                           ("balance", ("smebu", "sign", "none")), ("ac", ("none", "full", "selective")),
                           ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon"))):
@@ -162,8 +202,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
     """The preset, sized to the tokenizer's vocabulary (padded to a multiple of 128), then the user's overrides."""
     preset = PRESETS[tc.preset]
-    return dataclasses.replace(preset, vocab_size=pad_vocab(vocab_size), max_seq_len=max(tc.seq_len, 1),
-                               **overrides)
+    cfg = dataclasses.replace(preset, **{"vocab_size": pad_vocab(vocab_size), "max_seq_len": max(tc.seq_len, 1),
+                                         **overrides})
+    if cfg.max_seq_len < tc.seq_len:
+        raise ValueError(f"--max_seq_len={cfg.max_seq_len} is below --seq_len={tc.seq_len}: the model would train on "
+                         f"positions its exported config says it does not have; raise it or leave it unset.")
+    return cfg
 
 
 # --- schedule and metrics helpers
@@ -552,7 +596,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
 if __name__ == "__main__":
     try:
         main(*parse_args())
-    except (data.DataError, ValueError) as e:
+    except (data.DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,43 @@ def test_flags_cover_config_and_model_overrides():
     assert tc.steps == 7 and tc.doc_mask is False and tc.compile is True and overrides == {"n_layers": 8}
     cfg = train.model_config(tc, overrides, vocab_size=100277)
     assert cfg.vocab_size == 100352 and cfg.n_layers == 8 and cfg.n_experts == 256
+    tc, overrides = train.parse_args(["--vocab_size=200192", "--max_seq_len=512"])  # the fields it also sets
+    cfg = train.model_config(tc, overrides, vocab_size=100277)
+    assert cfg.vocab_size == 200192 and cfg.max_seq_len == 512
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps=0", "--beta1=1.5"], "error: --steps=0 must be at least 1; --beta1=1.5 must be at least 0 and below "
+                                   "1."),
+    (["--log_every=0"], "--log_every=0 must be at least 1."),
+    (["--eval_batches=0"], "--eval_batches=0 must be at least 1."),
+    (["--warmup_steps=-3"], "--warmup_steps=-3 must be 0 or more."),
+    (["--keep_ckpts=0"], "--keep_ckpts=0 must be at least 1."),
+])
+def test_out_of_range_flag_is_one_sentence_before_anything_runs(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dim=0", "--window=0"], "Invalid ModelConfig: dim=0 must be at least 1; window=0 must be at least 1."),
+    (["--norm_eps=-1"], "norm_eps=-1.0 must be above 0"),
+    (["--n_kv_heads=0"], "n_kv_heads=0 must be at least 1"),
+    (["--max_seq_len=32", "--seq_len=64"], "--max_seq_len=32 is below --seq_len=64"),
+])
+def test_impossible_model_override_is_one_sentence(flags, message):
+    tc, overrides = train.parse_args(flags)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train.model_config(tc, overrides, vocab_size=100277)
+
+
+def test_missing_checkpoint_or_hf_folder_is_an_error_not_a_traceback(corpus_dir, tmp_path):
+    for flag, message in (("--resume=/nonexistent", "error: checkpoint path /nonexistent does not exist."),
+                          ("--init_from_hf=/nonexistent", "error: /nonexistent has no config.json")):
+        r = subprocess.run([sys.executable, "train.py", *run_args(corpus_dir, tmp_path, "--steps=1"), flag],
+                           cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "wsd"])
