@@ -391,6 +391,9 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     D, E, K, I = cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_hidden
     shared_hidden = I * cfg.n_shared_experts
     torch.manual_seed(tc.seed)
+    if device.type == "cpu":
+        with torch.device("meta"):
+            parallel.check_host_memory(MoE(cfg), copies=2, what="one MoE layer's weights and their gradients")
     moe = MoE(cfg).to(device)
     init_(moe, cfg.init_std)
     # The dense SwiGLU does the MoE layer's active matmul FLOPs (SPEC §7): k routed experts, the shared expert and
@@ -797,11 +800,25 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
                                 "such as --dim=512, and the layout, batch and precision flags.")
 
 
+def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: `kind` of the text, refused with the range it must be in."""
+    def parse(text: str):
+        value = kind(text)
+        if not (low < value if low_open else low <= value) or value > high:
+            bounds = f"{'above' if low_open else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf
+                                                                          else "")
+            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
 def _timing_flags(parser, warmup: int, iters: int):
-    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
-    parser.add_argument("--iters", type=int, default=iters, help="timed steps")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default); 1 gives "
-                                                               "steadier ratios on a machine others are using")
+    parser.add_argument("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
+    parser.add_argument("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
+    parser.add_argument("--threads", type=_bounded(int, 0), default=0,
+                        help="CPU threads for torch (0: torch's default); 1 gives steadier ratios on a machine others "
+                             "are using")
     parser.add_argument("--clock", choices=CLOCKS, default="wall",
                         help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
@@ -829,7 +846,8 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
     elif command == "moe":
         parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
         _timing_flags(parser, 1, 5)
-        parser.add_argument("--tokens", type=int, default=2048, help="tokens through the layer (seq_len per row)")
+        parser.add_argument("--tokens", type=_bounded(int, 1), default=2048,
+                            help="tokens through the layer (seq_len per row)")
         parser.add_argument("--loop", type=train._parse_bool, nargs="?", const=True, default=True,
                             help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
     elif command == "vs-hf":
@@ -838,19 +856,23 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         train_defaults = ["--global_batch=4", "--micro_batch=4"]
     else:
         parser = _parser("plan", COMMANDS["plan"] + " (the preset defaults to large).")
-        parser.add_argument("--gpus", type=int, default=2048, help="world size")
-        parser.add_argument("--dp_replicate", type=int, default=16, help="HSDP replicas")
-        parser.add_argument("--ep", type=int, default=8, help="expert-parallel degree")
-        parser.add_argument("--seq", "--seq_len", type=int, default=0, help="sequence length (0: the preset's)")
-        parser.add_argument("--global_batch", type=int, default=0, help="sequences per step (0: one per GPU)")
-        parser.add_argument("--micro_batch", type=int, default=1, help="sequences per GPU per forward")
+        parser.add_argument("--gpus", type=_bounded(int, 1), default=2048, help="world size")
+        parser.add_argument("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
+        parser.add_argument("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
+        parser.add_argument("--seq", "--seq_len", type=_bounded(int, 0), default=0,
+                            help="sequence length (0: the preset's)")
+        parser.add_argument("--global_batch", type=_bounded(int, 0), default=0,
+                            help="sequences per step (0: one per GPU)")
+        parser.add_argument("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
         parser.add_argument("--gpu", choices=GPUS, default="b300", help="GPU kind: peak bf16 TFLOP/s and memory")
         parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
         parser.add_argument("--grad_sync", choices=("last", "every"), default="every",
                             help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) "
                                  "| last (unsharded gradients held between micro-batches)")
-        parser.add_argument("--tokens", type=float, default=17e12, help="training token budget")
-        parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+        parser.add_argument("--tokens", type=_bounded(float, 0, low_open=True), default=17e12,
+                            help="training token budget")
+        parser.add_argument("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
+                            help="assumed model FLOPs utilisation")
         parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
         train_defaults = ["--preset=large"]
     if command in ("step", "moe"):

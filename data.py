@@ -262,6 +262,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
         raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
     if shard_tokens < 1:
         raise DataError(f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
+    if workers is not None and workers < 1:
+        raise DataError(f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc, tokenizer = get_encoding(encoding), _canonical(encoding)
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
@@ -521,7 +523,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
-    p.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding (cl100k_base works offline)")
+    p.add_argument("--encoding", "--tokenizer", default="cl100k_base",
+                   help="tiktoken encoding (cl100k_base works offline); train.py's --tokenizer names the same")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
     p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")

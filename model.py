@@ -20,7 +20,7 @@ E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L 
 import argparse
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn

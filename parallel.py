@@ -86,11 +86,12 @@ def host_memory_available() -> int | None:
     return None
 
 
-def check_host_memory(model: nn.Module, copies: int):
+def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, gradients and optimizer state"):
     """Refuse, before anything is allocated, a CPU model whose weights on this rank, times `copies` (the weights,
     their gradients and the optimizer's moments: train.state_copies), cannot fit with the other ranks of this
-    machine in its available memory. Without this the kernel's OOM killer ends the run without a word. A lower
-    bound: activations and buffers are not counted, so a run it lets through may still need more."""
+    machine in its available memory; `what` names them in the message. Without this the kernel's OOM killer ends
+    the run without a word. A lower bound: activations and buffers are not counted, so a run it lets through may
+    still need more."""
     available = host_memory_available()
     if available is None:
         return
@@ -98,10 +99,10 @@ def check_host_memory(model: nn.Module, copies: int):
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     need = copies * sum(t.numel() * t.element_size() for t in local)
     if need * ranks > available:
-        raise ValueError(f"the weights, gradients and optimizer state need {need / 2**30:.1f} GiB on each of this "
-                         f"machine's {ranks} rank(s) but only {available / 2**30:.1f} GiB of memory is available; "
-                         f"choose a smaller model (--preset, --n_layers, --n_experts), spread it over more machines "
-                         f"(FSDP shards it over all ranks), or train on GPUs.")
+        raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
+                         f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model (--preset, "
+                         f"--n_layers, --n_experts), spread it over more machines (FSDP shards it over all ranks), "
+                         f"or train on GPUs.")
 
 
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:

@@ -240,11 +240,23 @@ def test_plot_draws_the_metrics(tmp_path):
     (["--iter=3"], "did you mean --iters"),
     (["plan", "--gpu=b3000"], "invalid choice"),
     (["mo"], "did you mean moe"),
+    (["--iters=0"], "argument --iters: 0 must be at least 1"),
+    (["moe", "--tokens=-5"], "argument --tokens: -5 must be at least 1"),
+    (["plan", "--mfu=0"], "argument --mfu: 0 must be above 0 and at most 1"),
+    (["plan", "--gpus=abc"], "argument --gpus: invalid int value: 'abc'"),
+    (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
 ])
-def test_mistyped_flags_and_commands_name_the_closest(capsys, argv, message):
+def test_mistyped_or_out_of_range_flags_and_commands_are_one_sentence(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert message in str(e.value) + capsys.readouterr().err
+
+
+def test_moe_layer_too_big_for_memory_is_refused_before_allocation(capsys, monkeypatch):
+    monkeypatch.setattr(parallel, "host_memory_available", lambda: 1 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert bench.main(["moe", "--tokens=64", "--seq_len=64", "--iters=1"]) == 2
+    assert "error: one MoE layer's weights and their gradients need" in capsys.readouterr().err
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def test_shards_decode_back_to_the_documents(tmp_path):
 
 
 def test_document_shuffle_is_seeded_and_keeps_every_document(tmp_path, monkeypatch):
-    texts = write_corpus(tmp_path / "corpus", n_docs=40)
+    write_corpus(tmp_path / "corpus", n_docs=40)
 
     def train_docs(name, seed, workers=1, **kw):
         prepare([str(tmp_path / "corpus")], str(tmp_path / name), seed=seed, workers=workers, quiet=True, **kw)
@@ -227,6 +227,9 @@ def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path
     missing = run("nothing.txt", "--out_dir", str(tmp_path / "out"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: no input files matched 'nothing.txt'")
     assert "Traceback" not in missing.stderr
+    workers = run("--workers=-1", "--out_dir", str(tmp_path / "out"))
+    assert workers.returncode == 2 and workers.stderr.startswith("error: workers=-1 must be at least 1")
+    assert data._parse_args(["--tokenizer=o200k_base"]).encoding == "o200k_base"  # train.py's name for it
 
 
 # --- shard validation
