@@ -578,25 +578,25 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             h_valid_ND = h_ND * valid_N1
             if not fp32:
                 minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
+
+        def logits(h, out):
+            if fp32:
+                torch.mm(h, weight_VD.t(), out=out)
+            else:
+                out.copy_(h @ weight_VD.t())
+
         shifted = False  # once a chunk leaves UNSHIFTED_SUM_RANGE, the rest of the rows subtract their max at once
         for start in range(0, N, rows):
             end = min(start + rows, N)
             e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
-
-            def logits():
-                if fp32:
-                    torch.mm(h, weight_VD.t(), out=e)
-                else:
-                    e.copy_(h @ weight_VD.t())
-
-            logits()
+            logits(h, e)
             torch.gather(e, 1, t, out=picked_N1[start:end])
             shift = 0.0
             if not shifted:
                 s = e.exp_().sum(-1, keepdim=True)
                 shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
                 if shifted:
-                    logits()
+                    logits(h, e)
             if shifted:
                 shift = e.amax(-1, keepdim=True)
                 s = e.sub_(shift).exp_().sum(-1, keepdim=True)

@@ -94,7 +94,7 @@ def test_grouped_mm_bf16_matches_loop_on_cuda():
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("chunk_rows", [48, 128])
 def test_fused_head_loss_on_cuda(autocast, chunk_rows, monkeypatch):
-    """The chunked, in-place log-softmax and gradients of the fused head loss against F.cross_entropy, on CUDA, in
+    """The chunked, in-place exponentials and gradients of the fused head loss against F.cross_entropy, on CUDA, in
     chunks of 48 rows (the last one partial) and in one."""
     monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, CUDA.type, chunk_rows * CFG.vocab_size * 4)
     g = torch.Generator().manual_seed(0)
