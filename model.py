@@ -421,6 +421,12 @@ class _SortedRows(torch.autograd.Function):
         return dx_MD.index_select(0, inverse_M).view(-1, ctx.K, dx_MD.shape[-1]).sum(1), None, None, None
 
 
+def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
+    """How many times each of 0..n-1 occurs in ids_M (int64). bincount on CUDA reads the largest id back to the host
+    to size its output, a sync per call; a scatter-add into n counters does not."""
+    return torch.zeros(n, dtype=torch.int64, device=ids_M.device).scatter_add_(0, ids_M, torch.ones_like(ids_M))
+
+
 class MoE(nn.Module):
     """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping, no capacity factor.
 
@@ -460,7 +466,7 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(B * T, D)
         experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
 
-        counts_E = torch.bincount(experts_NK.flatten(), minlength=self.n_experts)
+        counts_E = count_ids(experts_NK.flatten(), self.n_experts)
         self.counts_E = counts_E.detach()
         self.aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else None
         self.z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else None
@@ -488,7 +494,7 @@ class MoE(nn.Module):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i (SPEC §4)."""
         E, K = self.n_experts, self.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
-        f_BE = torch.bincount((sequence_NK * E + experts_NK).flatten(), minlength=B * E).view(B, E) * (E / (K * T))
+        f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
         return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 

@@ -148,3 +148,20 @@ def test_moe_block_is_bitwise_reproducible_on_cuda():
         runs.append([y, x.grad] + [p.grad.clone() for p in moe.parameters()])
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+
+
+def test_moe_layer_dispatch_has_no_host_sync():
+    """The routed experts' dispatch (routing, counts, sort, grouped GEMMs, combine) and its backward never wait for
+    the GPU: torch's sync debug mode raises on any operation that reads a device value back to the host."""
+    moe = Transformer(CFG).to(CUDA).moe_layers()[0]
+    x = torch.randn(2, 256, CFG.dim, device=CUDA, requires_grad=True)
+    with torch.autocast(CUDA.type, dtype=torch.bfloat16):
+        moe(x)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast(CUDA.type, dtype=torch.bfloat16):
+            y = moe(x)
+        (y.float().square().mean() + moe.aux_loss + moe.z_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -469,3 +469,11 @@ def test_compiled_experts_match_eager(dtype):
     x = torch.randn(20, 32, generator=g).to(dtype)
     compiled = torch.compile(experts, backend="aot_eager")
     assert torch.equal(compiled(x, counts), experts(x, counts))
+
+
+def test_count_ids_matches_bincount():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 256):
+        ids = torch.randint(0, n, (1000,), generator=g)
+        assert torch.equal(model_module.count_ids(ids, n), torch.bincount(ids, minlength=n))
+    assert torch.equal(model_module.count_ids(torch.tensor([], dtype=torch.int64), 3), torch.zeros(3, dtype=torch.int64))
