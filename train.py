@@ -30,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -227,13 +226,16 @@ def read_config(path: str, kinds: dict) -> dict:
     TOML (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
     vocab_size and max_seq_len included, so replaying it builds that model again whatever the preset now says.
     Raises ValueError, one sentence, for a missing or unreadable file, an unknown key or a value of the wrong type."""
+    toml = path.endswith(".toml")
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+            if toml:
+                import tomllib  # Python 3.11's; imported here so that train.py itself runs on older ones
+            raw = tomllib.load(f) if toml else json.load(f)
     except OSError as e:
         raise ValueError(f"--config={path} cannot be read ({e.strerror or e}).")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config={path} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}.")
+    except ValueError as e:  # the parsers' errors and a bad UTF-8 byte are all ValueErrors
+        raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
     if not isinstance(raw, dict):
         raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected train and model tables.")
     entries = {}  # "train.lr": 0.01, ...
@@ -452,8 +454,8 @@ class MetricsSinks:
     (None, e.g. MFU on an unknown device, is left out), each per-MoE-layer list as KEY/00, KEY/01, ... A restarted run
     continues where the first one logged: TensorBoard in the same OUT_DIR/tensorboard, hiding the events the dead
     launch wrote for the steps this one repeats (those after its checkpoint: purge_step), and W&B in the same run,
-    whose id is kept in OUT_DIR/wandb_run_id (W&B ignores steps below the run's last, so a repeated one stays once).
-    On ranks other than 0 every call does nothing."""
+    whose id is kept in OUT_DIR/wandb_run_id (online, W&B drops a step below the run's last, since its steps must
+    increase; offline, each launch's file holds the steps it ran). On ranks other than 0 every call does nothing."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None

@@ -177,5 +177,10 @@ def test_readme_toml_configs_are_valid_runs(tmp_path):
 
 
 def test_only_rank_zero_writes_tensorboard(corpus_dir, tmp_path):
-    torchrun(2, "train.py", *run_args(corpus_dir, tmp_path, "--steps=2", "--log_to=tensorboard", "--async_ckpt=false"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torchrun(2, "train.py", *run_args(corpus_dir, tmp_path, "--steps=1", "--log_to=tensorboard", "--async_ckpt=false"))
     assert len(os.listdir(tmp_path / "tensorboard")) == 1  # one event file: rank 1 wrote none
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, float(np.float32(metrics(tmp_path)[0]["loss"])))]
