@@ -4,11 +4,13 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
     python train.py                                       # tiny model on the embedded corpus (CPU, minutes)
     python train.py --preset=tiny --steps=500 --lr=3e-3   # flags are TrainConfig fields; model fields too
     torchrun --nproc_per_node=8 train.py --dp_replicate=2 --ep=4 --global_batch=64
+    python train.py --config=out/config.json --lr=1e-3    # a run's saved config (or TOML), flags over it
     python train.py --help
 
 Each optimizer step: the rank's slice of the global batch, split into micro-batches with gradient accumulation,
 gradient clipping over the whole model, one optimizer step, then one expert-bias update from the tokens-per-expert
-counts of the whole global batch (SPEC §4). Logs go to the console and to OUT_DIR/metrics.jsonl.
+counts of the whole global batch (SPEC §4). Logs go to the console, to OUT_DIR/metrics.jsonl and, with
+--log_to=tensorboard,wandb, to TensorBoard and Weights & Biases.
 
 Under `torchrun --max-restarts=N`, a job whose rank dies restarts and resumes from the newest complete checkpoint by
 itself (--resume=auto). Launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch >= 2.5 keeps torchrun's store
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import difflib
 import faulthandler
+import importlib.util
 import json
 import math
 import os
@@ -89,6 +92,11 @@ class TrainConfig:
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = _flag(10, "log every N steps")
+    log_to: str = _flag("none", "also log metrics.jsonl's scalars to tensorboard (OUT_DIR/tensorboard), wandb, "
+                                "or both: --log_to=tensorboard,wandb")
+    wandb_project: str = _flag("nanotitan", "Weights & Biases project, with --log_to=wandb")
+    wandb_mode: str = _flag("auto", "Weights & Biases mode: auto (WANDB_MODE if set, else online) | online | "
+                                    "offline (no network; wandb sync uploads later) | disabled")
     eval_every: int = _flag(50, "validate every N steps (and at the end; 0: only at the end)")
     eval_batches: int = _flag(4, "validation batches (of global_batch sequences) per evaluation")
     peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
@@ -173,30 +181,85 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """Returns the TrainConfig and the model-field overrides given on the command line."""
+    """Returns the TrainConfig and the model-field overrides, from the command line and a --config file under it
+    (precedence: defaults < preset < config file < command line)."""
     parser = _Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
+                                                      "with [train] and [model] tables; flags given here override it")
+    kinds = {}  # "train.lr" / "model.n_layers": the function that parses the flag's text
     for f in fields(TrainConfig):
-        kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
+        kinds[f"train.{f.name}"] = kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"],
                             **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
     group = parser.add_argument_group("model overrides (default: the preset's value)")
     for f in MODEL_FIELDS.values():
-        kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
+        kinds[f"model.{f.name}"] = kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
         group.add_argument(f"--{f.name}", type=kind, default=None, help=f"ModelConfig.{f.name}",
                            **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
+    config_path = parser.parse_known_args(argv)[0].config
+    if config_path:
+        try:  # the file's values become the defaults, so that flags on the command line win
+            parser.set_defaults(**read_config(config_path, kinds))
+        except ValueError as e:
+            parser.error(str(e))
     args = vars(parser.parse_args(argv))
+    args.pop("config")
     overrides = {k: args.pop(k) for k in MODEL_FIELDS if args.get(k) is not None}
     try:
         tc = TrainConfig(**{k: v for k, v in args.items() if k in {f.name for f in fields(TrainConfig)}})
-    except ValueError as e:  # a numeric flag out of range (FLAG_RANGES)
+        log_sinks(tc.log_to)  # a sink without its package is refused here, before any data or model is touched
+    except ValueError as e:  # a numeric flag out of range (FLAG_RANGES), or --log_to
         parser.error(str(e))
     for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
                           ("balance", ("smebu", "sign", "none")), ("ac", ("none", "full", "selective")),
-                          ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon"))):
+                          ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon")),
+                          ("wandb_mode", ("auto", "online", "offline", "disabled"))):
         if getattr(tc, name) not in allowed:
             parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
     return tc, overrides
+
+
+def read_config(path: str, kinds: dict) -> dict:
+    """The flag values a config file sets, parsed as the command line parses them. The file is a run's config.json
+    ({"train": ..., "model": ..., "world_size": ...}; the world size is the launcher's to choose and is not read) or
+    TOML (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
+    vocab_size and max_seq_len included, so replaying it builds that model again whatever the preset now says.
+    Raises ValueError, one sentence, for a missing or unreadable file, an unknown key or a value of the wrong type."""
+    toml = path.endswith(".toml")
+    try:
+        with open(path, "rb") as f:
+            if toml:
+                import tomllib  # Python 3.11's; imported here so that train.py itself runs on older ones
+            raw = tomllib.load(f) if toml else json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config={path} cannot be read ({e.strerror or e}).")
+    except ValueError as e:  # the parsers' errors and a bad UTF-8 byte are all ValueErrors
+        raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected train and model tables.")
+    entries = {}  # "train.lr": 0.01, ...
+    for key, value in raw.items():
+        if key in ("train", "model") and isinstance(value, dict):
+            entries.update({f"{key}.{k}": v for k, v in value.items()})
+        elif key != "world_size":
+            entries[key] = value
+    values = {}
+    for key, value in entries.items():
+        if key not in kinds:
+            by_name = {k.split(".")[1]: k for k in kinds}
+            close = difflib.get_close_matches(key.split(".")[-1], list(by_name), n=1, cutoff=0.5)
+            raise ValueError(f"--config={path} has an unknown key {key}; "
+                             + (f"did you mean {by_name[close[0]]}?" if close else
+                                "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
+        try:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            values[key.split(".")[1]] = kinds[key](str(value))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid "
+                             f"{'bool' if kinds[key] is _parse_bool else kinds[key].__name__}.") from None
+    return values
 
 
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
@@ -365,6 +428,76 @@ def balance_metrics(counts_LE: torch.Tensor, layers) -> dict:
             "bias_norm_layers": [round(m.expert_bias.norm().item(), 6) for m in layers]}
 
 
+# --- metrics sinks: TensorBoard and Weights & Biases besides OUT_DIR/metrics.jsonl (--log_to), written by rank 0
+
+LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
+
+
+def log_sinks(log_to: str) -> list[str]:
+    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing. Asks
+    only whether the package is there (find_spec), so the check costs nothing before a run starts. Not --log: torchrun
+    would take that for an abbreviation of its own --log-dir and --logs-specs."""
+    names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
+    for name in names:
+        if name not in LOG_SINKS:
+            close = difflib.get_close_matches(name, LOG_SINKS, n=1, cutoff=0.5)
+            raise ValueError(f"--log_to={log_to}: {name} is not one of none, {', '.join(LOG_SINKS)}"
+                             + (f"; did you mean {close[0]}?" if close else "."))
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"--log_to={name} needs the {name} package, which is not installed here: "
+                             f"pip install {name}")
+    return names
+
+
+class MetricsSinks:
+    """Every record written to metrics.jsonl goes to the --log_to sinks too, at its step: each number under its key
+    (None, e.g. MFU on an unknown device, is left out), each per-MoE-layer list as KEY/00, KEY/01, ... A restarted run
+    continues where the first one logged: TensorBoard in the same OUT_DIR/tensorboard, hiding the events the dead
+    launch wrote for the steps this one repeats (those after its checkpoint: purge_step), and W&B in the same run,
+    whose id is kept in OUT_DIR/wandb_run_id (online, W&B drops a step below the run's last, since its steps must
+    increase; offline, each launch's file holds the steps it ran). On ranks other than 0 every call does nothing."""
+
+    def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
+        self.tensorboard = self.wandb = None
+        names = log_sinks(tc.log_to) if master else []
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(tc.out_dir, "tensorboard"), purge_step=start_step + 1)
+        if "wandb" in names:
+            import wandb
+            id_path, run_id = os.path.join(tc.out_dir, "wandb_run_id"), None
+            if os.path.exists(id_path):
+                with open(id_path) as f:
+                    run_id = f.read().strip()
+            self.wandb = wandb.init(project=tc.wandb_project, id=run_id, resume="allow", dir=tc.out_dir,
+                                    config=resolved, allow_val_change=True,  # a restart may extend --steps
+                                    mode=None if tc.wandb_mode == "auto" else tc.wandb_mode)
+            with open(id_path, "w") as f:
+                f.write(self.wandb.id)
+
+    def write(self, record: dict):
+        scalars = {}
+        for key, value in record.items():
+            if isinstance(value, list):
+                scalars.update({f"{key}/{l:02d}": v for l, v in enumerate(value)})
+            elif value is not None and key != "step":
+                scalars[key] = value
+        if self.tensorboard:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, record["step"])
+            self.tensorboard.flush()  # on disk at every record: a launch that dies keeps what it logged
+        if self.wandb:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            import wandb
+            self.wandb.finish()
+            wandb.teardown()  # waits for W&B's service to write the run out: a torchrun worker leaves by os._exit
+
+
 # --- fault tolerance: preemption signals and a hang watchdog
 
 class Preemption:
@@ -503,6 +636,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     peak = peak_tflops(device, tc.peak_tflops)
     tokens_per_step = tc.global_batch * tc.seq_len
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
+    sinks = MetricsSinks(tc, resolved, state["step"], master)
     preemption, watchdog = Preemption(), Watchdog(tc.step_timeout)
     first_loss = val_loss = out = pending = None
     t_start = t_last = time.time()
@@ -562,6 +696,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         if master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            sinks.write(record)
         if last or preempted or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
             pending = save(step + 1, pending)
         if preempted:
@@ -590,6 +725,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         say("sample:\n" + enc.decode([t for t in sample if t < enc.n_vocab]))
     watchdog.stop()
     preemption.close()
+    sinks.close()
     return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
 
 
