@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+import data
 from model import ModelConfig, config_fields
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
@@ -501,8 +502,6 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     at a time. The tokenizer is the one the training data was prepared with, unless `tokenizer` (a tiktoken name or
     a Hugging Face tokenizer folder) is given. Returns the checkpoint used."""
     from safetensors.torch import save_file
-
-    import data
 
     path = _resolve(ckpt_path)
     saved_config = _read_json(path, "config.json")

