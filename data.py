@@ -155,8 +155,9 @@ def vocabulary(enc) -> dict[str, int]:
 def check_vocabulary(manifest: dict, hf_dir: str) -> None:
     """Refuses a Hugging Face model folder whose tokenizer's vocabulary is not the one the data was prepared with."""
     if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-        print(f"warning: {hf_dir} has no tokenizer.json, so only the vocabulary size of the data "
-              f"({manifest['tokenizer']}) can be checked against the model", file=sys.stderr)
+        print(f"warning: {hf_dir} has no tokenizer.json, so nothing shows that its model knows the data's "
+              f"{manifest['tokenizer']} vocabulary; only that the data's token ids fit the model is checked",
+              file=sys.stderr)
         return
     data_tokenizer = get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
     if vocabulary(get_encoding(hf_dir)) != vocabulary(data_tokenizer):

@@ -102,7 +102,7 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
     assert manifest["eot_id"] == eos and manifest["vocab_size"] == reference.get_vocab_size()
     with open(os.path.join(out[2], "train_000000.bin"), "rb") as f:
         assert data.HEADER.unpack(f.read(data.HEADER.size))[-1].rstrip(b"\0").decode() == name
-    # document 0 is held out for val; the train split is every other document, each ended by the eos token
+    # document 0 is held out for val; the train split is all the others in order, each ended by the eos token
     expected = np.concatenate([reference.encode(d).ids + [eos] for d in docs[1:]])
     for out_dir in out.values():
         train_tokens = np.fromfile(os.path.join(out_dir, "train_000000.bin"), np.uint16, offset=data.HEADER_BYTES)
@@ -126,7 +126,7 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
     assert train.main(tc, overrides)["step"] == 1
 
 
-def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
+def test_checkpoint_of_another_vocabulary_is_refused(tmp_path, capsys):
     tok_a, tok_b = (bpe_folder(tmp_path / n, stdlib(p)) for n, p in (("a", "json"), ("b", "email")))
     files = stdlib("json") + stdlib("email")
     data_a, data_b = (data.prepare(files, str(tmp_path / f"data_{t}"), tok, val_fraction=0.1, workers=1, quiet=True)
@@ -144,6 +144,10 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(data.DataError, match=f"was trained with another vocabulary than the {data_b['tokenizer']} "
                                              f"tokens of the data; prepare the data with"):
         train.main(*train.parse_args(b_flags + ["--resume=none", f"--init_from_hf={tmp_path / 'hf_a'}"]))
+    weights_only = shutil.copytree(tmp_path / "hf_a", tmp_path / "weights_only",
+                                   ignore=shutil.ignore_patterns("tokenizer*"))
+    data.check_vocabulary(data_b, str(weights_only))  # nothing to compare with: a warning, not a refusal
+    assert "has no tokenizer.json, so nothing shows that its model knows the data's" in capsys.readouterr().err
     with pytest.raises(data.DataError, match=f"was tokenized with {data_b['tokenizer']} but the model is configured "
                                              f"for {data_a['tokenizer']}"):
         train.main(*train.parse_args(run_args(tmp_path / "data_b", tmp_path / "x", f"--tokenizer={tok_a}")))
