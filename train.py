@@ -52,7 +52,8 @@ class TrainConfig:
                                 f"e.g. --n_layers=8")
     data: str = _flag(data.DEFAULT_DATA_DIR, "prepared data directory (python data.py); the default corpus is "
                                              "prepared automatically when absent")
-    tokenizer: str = _flag("cl100k_base", "tiktoken encoding the data was prepared with; sizes the vocabulary")
+    tokenizer: str = _flag("cl100k_base", "tiktoken encoding or Hugging Face tokenizer folder the data was prepared "
+                                          "with (python data.py --tokenizer); sizes the vocabulary")
     seq_len: int = _flag(128, "tokens per sequence")
     doc_mask: bool = _flag(True, "intra-document attention masking (a token sees only its own document)")
     # batch and schedule
@@ -576,6 +577,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     manifest = data.load_manifest(tc.data)
     if tc.init_from_hf:
         cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides)
+        data.check_vocabulary(manifest, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, manifest["vocab_size"])
 
@@ -586,7 +588,9 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
                              vocab_size=cfg.vocab_size, tokenizer=tc.tokenizer)
     val_loader = data.DataLoader(tc.data, "val", tc.seq_len, tc.global_batch, rank, world, tc.seed,
                                  vocab_size=cfg.vocab_size, tokenizer=tc.tokenizer)
-    resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world}
+    resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
+                "tokenizer": {"name": manifest["tokenizer"],
+                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
     say(json.dumps(resolved, indent=1))
     say(layout.describe(cfg.n_experts))
 
@@ -717,7 +721,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             f"val loss {val_loss if val_loss is None else round(val_loss, 3)}; "
             f"outputs in {tc.out_dir}/")
     if tc.sample_tokens and out is not None and not preemption.requested:
-        enc = data.get_encoding(manifest["tokenizer"])
+        enc = data.get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
         prompt = torch.tensor([enc.encode("def ")], device=device)
         torch.manual_seed(tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
         model.eval()
