@@ -7,6 +7,8 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py --preset=tiny                        # the train step: ms/step, tokens/s, TFLOP/s, MFU, memory,
                                                          # forward/backward/optimizer split, time per component
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
+    python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
+    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 if the step is slower
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
@@ -328,6 +330,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
+    if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
+        raise FileNotFoundError(f"--save={args.save}: its folder does not exist; create it or save elsewhere.")
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
                                  param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
@@ -498,7 +502,8 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
     lines = [f"against the baseline: step {old['ms_median']:.1f} -> {new['ms_median']:.1f} ms median "
              f"({100 * change:+.1f}%; noise band {100 * band:.1f}%, tolerance {100 * tolerance:.1f}%): {verdict}"]
     zero = {"total": 0.0, "share": 0.0, "share_p25": 0.0, "share_p75": 0.0}
-    comps_old, comps_new = old.get("components_ms") or {}, new.get("components_ms") or {}
+    profiled = "kernels" in old and "kernels" in new  # not with --breakdown=false
+    comps_old, comps_new = (old["components_ms"], new["components_ms"]) if profiled else ({}, {})
     moved = {}
     for label in sorted(comps_old.keys() | comps_new.keys()):
         a, b = comps_old.get(label, zero), comps_new.get(label, zero)
@@ -514,7 +519,8 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
                          + (f": {describe_kernels(kernels)}" if any(kernels.values()) else ""))
     # A kernel swap that moved no component's time by much still shows, once, in the step's fingerprint.
     named = {n for label in moved for r in (old, new) for n in r["kernels"].get(label, {})}
-    step_old, step_new = ({n: k for n, k in r.get("step_kernels", {}).items() if n not in named} for r in (old, new))
+    step_old, step_new = ({n: k for n, k in r.get("step_kernels", {}).items() if n not in named and profiled}
+                          for r in (old, new))
     step_kernels = kernel_changes(step_old, step_new, math.inf) | {"changed": {}}
     if step_kernels["appeared"] or step_kernels["disappeared"]:
         lines.append(f"  kernels of the whole step: {describe_kernels(step_kernels)}")

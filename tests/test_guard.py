@@ -130,6 +130,14 @@ def test_a_kernel_swap_without_a_time_change_still_shows(baseline):
     assert "new sm90_xmma_gemm_tf32" in verdict["lines"][-1] and "gone aten::_fused_adamw_" in verdict["lines"][-1]
 
 
+def test_without_the_breakdown_only_the_step_is_compared(baseline):
+    _, old = baseline
+    new = {k: v for k, v in old.items() if k not in ("components_ms", "kernels", "step_kernels")}  # --breakdown=false
+    for a, b in ((old, new), (new, old)):
+        verdict = bench.compare(a, b, tolerance=0.05)
+        assert verdict["exit"] == 0 and verdict["components"] == {} and len(verdict["lines"]) == 1
+
+
 def test_another_environment_is_named(baseline):
     _, old = baseline
     new = copy.deepcopy(old)
@@ -162,6 +170,8 @@ def test_a_missing_or_foreign_baseline_is_one_sentence(tmp_path, capsys):
     (tmp_path / "metrics.json").write_text('{"step": 3}')
     assert bench.main(FLAGS + [f"--compare={tmp_path}/metrics.json"]) == 2
     assert "is not a baseline written by bench.py --save" in capsys.readouterr().err
+    assert bench.main(FLAGS + [f"--save={tmp_path}/no/such/folder/baseline.json"]) == 2
+    assert "its folder does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         bench.main(["--tolerance=-0.1"])
     assert "argument --tolerance: -0.1 must be at least 0" in str(e.value) + capsys.readouterr().err
