@@ -499,7 +499,8 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
     verdict = "SLOWER beyond both: exit 1" if change > limit else "faster" if change < -limit else "within them"
-    lines = [f"against the baseline: step {old['ms_median']:.1f} -> {new['ms_median']:.1f} ms median "
+    mfu = f", MFU {100 * old['mfu']:.1f}% -> {100 * new['mfu']:.1f}%" if old["mfu"] and new["mfu"] else ""
+    lines = [f"against the baseline: step {old['ms_median']:.1f} -> {new['ms_median']:.1f} ms median{mfu} "
              f"({100 * change:+.1f}%; noise band {100 * band:.1f}%, tolerance {100 * tolerance:.1f}%): {verdict}"]
     zero = {"total": 0.0, "share": 0.0, "share_p25": 0.0, "share_p75": 0.0}
     profiled = "kernels" in old and "kernels" in new  # not with --breakdown=false

@@ -70,6 +70,14 @@ def test_compare_names_a_planted_attention_regression(baseline, monkeypatch, cap
     assert "  attention: " in out and "new aten::bmm" in out
 
 
+def shifted(record: dict, change: float) -> dict:
+    """The record with its step slower by `change` (a fraction), its spread kept."""
+    new = copy.deepcopy(record)
+    for key in ("ms_median", "ms_p25", "ms_p75"):
+        new[key] += change * record["ms_median"]
+    return new
+
+
 def test_compare_is_quiet_on_the_same_measurements(baseline):
     _, record = baseline
     verdict = bench.compare(record, copy.deepcopy(record), tolerance=0.05)
@@ -77,14 +85,6 @@ def test_compare_is_quiet_on_the_same_measurements(baseline):
     assert verdict["components"] == {} and verdict["environment"] == []
     assert not verdict["step_kernels"]["appeared"] and not verdict["step_kernels"]["disappeared"]
     assert verdict["lines"] == [verdict["lines"][0]] and "within them" in verdict["lines"][0]
-
-
-def shifted(record: dict, change: float) -> dict:
-    """The record with its step slower by `change` (a fraction), its spread kept."""
-    new = copy.deepcopy(record)
-    for key in ("ms_median", "ms_p25", "ms_p75"):
-        new[key] += change * record["ms_median"]
-    return new
 
 
 @pytest.mark.parametrize("tolerance", [0.0, 0.05, 0.5])
@@ -98,6 +98,9 @@ def test_exit_code_follows_the_noise_band_and_the_tolerance(baseline, tolerance)
         verdict = bench.compare(record, shifted(record, change), tolerance)
         assert verdict["exit"] == code, (change, verdict["lines"][0])
         assert verdict["step_change"] == pytest.approx(change)
+    with_mfu = record | {"mfu": 0.4}  # a GPU in the peak table
+    assert "MFU 40.0% -> 36.4%" in bench.compare(with_mfu, shifted(with_mfu, 0.1) | {"mfu": 0.4 / 1.1},
+                                                 tolerance)["lines"][0]
 
 
 def test_a_component_that_moved_is_named_with_its_kernels(baseline):
