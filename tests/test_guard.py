@@ -64,7 +64,7 @@ def test_compare_names_a_planted_attention_regression(baseline, monkeypatch, cap
     assert code == 1 and "SLOWER beyond both: exit 1" in out
     assert verdict["step_change"] > max(verdict["noise_band"], 0.05)
     attention = verdict["components"]["attention"]
-    assert attention["ms"][1] > 1.5 * attention["ms"][0]  # 2.4-3.7x in four runs
+    assert attention["ms"][1] > 1.5 * attention["ms"][0]  # about 3x measured
     assert "aten::bmm" in attention["appeared"]  # the math path's matmuls
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in attention["disappeared"]
     assert "  attention: " in out and "new aten::bmm" in out
