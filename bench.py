@@ -398,6 +398,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         for line in verdict.pop("lines"):
             say(line)
         result.update(compare=verdict, exit=verdict["exit"])
+    for key in ("kernels", "step_kernels"):  # kept in the --save file, too long for the --json line
+        result.pop(key, None)
     return result
 
 
