@@ -42,6 +42,7 @@ def test_baseline_records_times_components_kernels_and_environment(baseline):
     # One fused SDPA call per layer per micro-batch (4 layers, 1 micro-batch), and its backward once each.
     assert attention["aten::_scaled_dot_product_flash_attention_for_cpu"][0] == 4
     assert attention["aten::_scaled_dot_product_flash_attention_for_cpu_backward"][0] == 4
+    assert record["step_kernels"] == bench.merged(record["kernels"])  # the step's fingerprint: its components'
     assert record["step_kernels"]["aten::_fused_adamw_"][0] >= 1
     assert 0 < record["components_ms"]["attention"]["share"] < 1
 
