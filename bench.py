@@ -7,6 +7,8 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py --preset=tiny                        # the train step: ms/step, tokens/s, TFLOP/s, MFU, memory,
                                                          # forward/backward/optimizer split, time per component
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
+    python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
+    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 if the step is slower
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
@@ -27,6 +29,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -161,11 +164,13 @@ def moe_targets(moe: MoE) -> list:
     return targets + ([(moe.shared, "forward", "shared expert")] if moe.shared is not None else [])
 
 
-def model_targets(model) -> list:
+def model_targets(model, blocks: bool = True) -> list:
     # The head's matmul and the cross-entropy are one fused autograd function (model.head_loss): one component.
-    targets = [(model, "forward", "masks, RoPE tables"), (model.embed, "forward", "embedding"),
-               (model.norm, "forward", "final norm"), (model, "head_loss", "output head, cross-entropy")]
-    for block in model.layers.values():
+    # Compiled blocks are fused graphs, not wrapped: their work lands in the model's own range.
+    targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
+               (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
+               (model, "head_loss", "output head, cross-entropy")]
+    for block in model.layers.values() if blocks else ():
         targets += [(block, "forward", "residual adds"), (block.attn, "forward", "attention")]
         targets += [(norm, "forward", "norms")
                     for norm in (block.attn_norm, block.attn_post_norm, block.ffn_norm, block.ffn_post_norm)]
@@ -176,7 +181,8 @@ def model_targets(model) -> list:
 def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
     """Self time of every profiled op, attributed to the innermost bench:: range around it; a backward op to the range
     of the forward op that created its autograd node (matched by sequence number). Returns ({label: {fwd, bwd,
-    total}} in ms per step, {op name: ms per step})."""
+    total}} in ms per step, {label: {name: [calls, ms]} per step}): the second is each component's fingerprint, the
+    device kernels its ops launched (on a GPU) or the CPU ops it ran, by name."""
     def self_us(e):
         return e.self_device_time_total if on_device else e.self_cpu_time_total
 
@@ -204,7 +210,7 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
             forward_of[(e.thread, e.sequence_nr)] = label
         resolved.append((e, label, where))
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops = defaultdict(float)
+    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
     for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
@@ -212,12 +218,24 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
             label = forward_of.get((where.fwd_thread, where.sequence_nr),
                                    "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
             where = "bwd"
-        ms = self_us(e) / 1e3 / steps
-        table[label][where] += ms
-        ops[e.name] += ms
+        table[label][where] += self_us(e) / 1e3 / steps
+        for name, us in [(k.name, k.duration) for k in e.kernels] if on_device else [(e.name, self_us(e))]:
+            ops[label][name][0] += 1 / steps
+            ops[label][name][1] += us / 1e3 / steps
     for row in table.values():
         row["total"] += row["fwd"] + row["bwd"]
-    return dict(table), dict(ops)
+    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}
+
+
+def merged(ops: dict, scale: float = 1.0) -> dict:
+    """{name: [calls, ms]} summed over the fingerprints {key: {name: [calls, ms]}} and scaled: over a step's
+    components, the step's fingerprint; over several profiled steps, with 1/steps, their mean."""
+    out = defaultdict(lambda: [0.0, 0.0])
+    for kernels in ops.values():
+        for name, (calls, ms) in kernels.items():
+            out[name][0] += calls * scale
+            out[name][1] += ms * scale
+    return {name: [round(calls, 3), ms] for name, (calls, ms) in out.items()}
 
 
 def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float]:
@@ -229,6 +247,23 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
         wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
     table, ops = attribute(prof.events(), device.type == "cuda", steps)
     return table, ops, wall
+
+
+def median_profile(runs: list) -> tuple[dict, dict, float]:
+    """Several profile() results as one: each component's median times, and the median and quartiles of its share of
+    the profiled step (profiled times are wall times, which a busy machine stretches in every component alike), each
+    kernel's mean calls and time, the median wall time."""
+    zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
+    table = {}
+    for label in set().union(*(t for t, _, _ in runs)):
+        rows = [t.get(label, zero) for t, _, _ in runs]
+        q = spread([t.get(label, zero)["total"] / wall for t, _, wall in runs])
+        table[label] = {k: statistics.median(row[k] for row in rows) for k in zero}
+        table[label] |= {"share": q["ms_median"], "share_p25": q["ms_p25"], "share_p75": q["ms_p75"]}
+    labels = set().union(*(ops for _, ops, _ in runs))
+    kernels = {label: merged({i: ops.get(label, {}) for i, (_, ops, _) in enumerate(runs)}, 1 / len(runs))
+               for label in labels}
+    return table, kernels, statistics.median(wall for _, _, wall in runs)
 
 
 def print_components(table: dict, wall_ms: float, say, what: str):
@@ -293,6 +328,10 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     cfg = model_config(tc, overrides)
     layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
+    config = step_config(tc, cfg, world, args.clock)
+    baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
+    if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
+        raise FileNotFoundError(f"--save={args.save}: its folder does not exist; create it or save elsewhere.")
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
                                  param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
@@ -344,17 +383,157 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
             "the fused loss computes with the loss):")
         for label, v in result["phases_ms"].items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
-        if tc.compile:
-            say("components: not split with --compile (the blocks are fused graphs); run without it to see them")
-        else:
-            table, _, wall = profile(step, device, model_targets(model))
-            result["components_ms"] = table
-            print_components(table, wall, say, "one profiled training step")
+        runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
+        table, kernels, wall = median_profile(runs)
+        result.update(components_ms=table, kernels=kernels, step_kernels=merged(kernels))
+        print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
+                         + (", the compiled blocks not split" if tc.compile else ""))
+    result.update(config=config, environment=environment(device))
+    if args.save and rank == 0:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1)
+        say(f"saved this run as a baseline: {args.save} (compare a later run with --compare={args.save})")
+    if baseline is not None:
+        verdict = compare(baseline, result, args.tolerance)
+        for line in verdict.pop("lines"):
+            say(line)
+        result.update(compare=verdict, exit=verdict["exit"])
+    for key in ("kernels", "step_kernels"):  # kept in the --save file, too long for the --json line
+        result.pop(key, None)
     return result
 
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py --save / --compare: a throughput guard for upgrades (a new torch can move a matmul to a slower kernel
+# without an error; only the step time and the kernels that ran show it)
+
+STEP_FIELDS = ("seq_len", "doc_mask", "global_batch", "micro_batch", "dtype", "ac", "compile", "dp_replicate", "ep",
+               "optimizer", "grad_clip", "balance")  # the train.py flags that change the step's work
+
+
+def step_config(tc: train.TrainConfig, cfg, world: int, clock_name: str) -> dict:
+    """What was timed: two runs compare only if these agree (as JSON stores them)."""
+    config = {f"model.{k}": v for k, v in dataclasses.asdict(cfg).items()}
+    config |= {k: getattr(tc, k) for k in STEP_FIELDS} | {"world": world, "clock": clock_name}
+    return json.loads(json.dumps(config))
+
+
+def environment(device: torch.device) -> dict:
+    """What decides which kernels a step runs: library versions, the device and the backend switches."""
+    b = torch.backends
+    env = {"torch": torch.__version__, "device": device_name(device),
+           "float32 matmul precision": torch.get_float32_matmul_precision()}
+    env |= {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
+            if (d.metadata["Name"] or "").lower().startswith(("triton", "pytorch-triton", "nvidia-cublas",
+                                                             "nvidia-cudnn", "nvidia-nccl"))}
+    if device.type == "cuda":
+        env |= {"cuda": torch.version.cuda, "cudnn": b.cudnn.version(),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+                "matmul tf32": b.cuda.matmul.allow_tf32, "cudnn tf32": b.cudnn.allow_tf32,
+                "bf16 reduced-precision reduction": b.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                "fp16 reduced-precision reduction": b.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                "blas": str(b.cuda.preferred_blas_library())}
+    else:
+        env |= {"cpu capability": b.cpu.get_cpu_capability(), "mkldnn": b.mkldnn.enabled}
+    return env | {f"sdpa {k}": getattr(b.cuda, f"{k}_sdp_enabled")() for k in ("flash", "mem_efficient", "math",
+                                                                                 "cudnn")}
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    return [f"{k} {old.get(k, 'absent')} -> {new.get(k, 'absent')}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
+def check_config(old: dict, new: dict):
+    if differences(old, new):
+        raise ValueError(f"the baseline was measured on another configuration ({', '.join(differences(old, new))}); "
+                         f"run with the baseline's flags, or --save a new baseline.")
+
+
+def load_baseline(path: str, config: dict) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--compare={path} does not exist; record a baseline first with --save={path}.")
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        old = None
+    if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
+        raise ValueError(f"--compare={path} is not a baseline written by bench.py --save.")
+    check_config(old["config"], config)
+    return old
+
+
+def kernel_changes(old: dict, new: dict, min_ms: float, top: int = 3) -> dict:
+    """The kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by at least min_ms; the
+    `top` largest of each."""
+    def largest(kernels: dict, size) -> dict:
+        return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:top])
+
+    changed = {n: [old[n], new[n]] for n in old.keys() & new.keys()
+               if old[n][0] != new[n][0] or abs(new[n][1] - old[n][1]) >= min_ms}
+    return {"appeared": largest({n: new[n] for n in new.keys() - old.keys()}, lambda k: k[1]),
+            "disappeared": largest({n: old[n] for n in old.keys() - new.keys()}, lambda k: k[1]),
+            "changed": largest(changed, lambda ab: abs(ab[1][1] - ab[0][1]))}
+
+
+def describe_kernels(changes: dict) -> str:
+    def one(kernel):
+        return f"{kernel[0]:g}x {kernel[1]:.2f} ms"
+    return "; ".join([f"new {n} {one(k)}" for n, k in changes["appeared"].items()]
+                     + [f"gone {n} {one(k)}" for n, k in changes["disappeared"].items()]
+                     + [f"{n} {one(a)} -> {one(b)}" for n, (a, b) in changes["changed"].items()])
+
+
+def compare(old: dict, new: dict, tolerance: float) -> dict:
+    """The verdict on step result `new` against the baseline `old` of the same configuration. The noise band of a
+    median is half of each run's interquartile range, added: either median may sit that far from its truth. exit 1:
+    the step is slower by more than both the band and `tolerance`. A component's time is its share of the profiled
+    step times the timed step; it moved when that changed by more than its own band (from its shares' quartiles) and
+    by more than `tolerance` of the step. Its kernels that appeared, disappeared, or changed calls or by a tenth of
+    its change in profiled time are named."""
+    check_config(old["config"], new["config"])
+    change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
+    band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
+    limit = max(band, tolerance)
+    verdict = "SLOWER beyond both: exit 1" if change > limit else "faster" if change < -limit else "within them"
+    mfu = f", MFU {100 * old['mfu']:.1f}% -> {100 * new['mfu']:.1f}%" if old["mfu"] and new["mfu"] else ""
+    lines = [f"against the baseline: step {old['ms_median']:.1f} -> {new['ms_median']:.1f} ms median{mfu} "
+             f"({100 * change:+.1f}%; noise band {100 * band:.1f}%, tolerance {100 * tolerance:.1f}%): {verdict}"]
+    zero = {"total": 0.0, "share": 0.0, "share_p25": 0.0, "share_p75": 0.0}
+    profiled = "kernels" in old and "kernels" in new  # not with --breakdown=false
+    comps_old, comps_new = (old["components_ms"], new["components_ms"]) if profiled else ({}, {})
+    moved = {}
+    for label in sorted(comps_old.keys() | comps_new.keys()):
+        a, b = comps_old.get(label, zero), comps_new.get(label, zero)
+        ms_a, ms_b = a["share"] * old["ms_median"], b["share"] * new["ms_median"]
+        noise = ((a["share_p75"] - a["share_p25"]) * old["ms_median"]
+                 + (b["share_p75"] - b["share_p25"]) * new["ms_median"]) / 2
+        if abs(ms_b - ms_a) > max(noise, tolerance * old["ms_median"]):  # a smaller move cannot fail the step
+            profiled_change = abs(b["total"] - a["total"])
+            kernels = kernel_changes(old["kernels"].get(label, {}), new["kernels"].get(label, {}), profiled_change / 10)
+            moved[label] = {"ms": [ms_a, ms_b], "noise_ms": noise, **kernels}
+            pct = f"{100 * (ms_b - ms_a) / ms_a:+.0f}%" if ms_a else "new"
+            lines.append(f"  {label}: {ms_a:.2f} -> {ms_b:.2f} ms of the step ({pct}, noise {noise:.2f} ms)"
+                         + (f": {describe_kernels(kernels)}" if any(kernels.values()) else ""))
+    # A kernel swap that moved no component's time by much still shows, once, in the step's fingerprint.
+    named = {n for label in moved for r in (old, new) for n in r["kernels"].get(label, {})}
+    step_old, step_new = ({n: k for n, k in r.get("step_kernels", {}).items() if n not in named and profiled}
+                          for r in (old, new))
+    step_kernels = kernel_changes(step_old, step_new, math.inf) | {"changed": {}}
+    if step_kernels["appeared"] or step_kernels["disappeared"]:
+        lines.append(f"  kernels of the whole step: {describe_kernels(step_kernels)}")
+    if abs(new["peak_mem_gib"] - old["peak_mem_gib"]) > tolerance * old["peak_mem_gib"]:
+        lines.append(f"  peak memory {old['peak_mem_gib']:.2f} -> {new['peak_mem_gib']:.2f} GiB")
+    env = differences(old.get("environment", {}), new["environment"])
+    if env:
+        lines.append(f"warning: the environment differs from the baseline's: {'; '.join(env)}")
+    return {"exit": int(change > limit), "step_change": change, "noise_band": band, "tolerance": tolerance,
+            "components": moved, "step_kernels": step_kernels, "environment": env, "lines": lines}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -475,9 +654,9 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         table, ops, wall = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
         result["components_ms"] = table
         print_components(table, wall, say, "the grouped MoE layer")
-        top = sorted(ops.items(), key=lambda kv: -kv[1])[:10]
-        result["top_ops_ms"] = dict(top)
-        say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, ms in top))
+        top = sorted(merged(ops).items(), key=lambda kv: -kv[1][1])[:10]
+        result["top_ops_ms"] = {name: ms for name, (_, ms) in top}
+        say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, (_, ms) in top))
     return result
 
 
@@ -849,6 +1028,13 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser = _parser("", "Time train.py's training step on synthetic tokens. Other commands: "
                              + ", ".join(COMMANDS) + " (bench.py COMMAND --help).")
         _timing_flags(parser, 2, 5)
+        parser.add_argument("--save", default="", metavar="PATH",
+                            help="write this run (times, components, kernel fingerprint, environment) as a baseline")
+        parser.add_argument("--compare", default="", metavar="PATH",
+                            help="compare this run with a --save baseline of the same flags; exit 1 when the step "
+                                 "is slower beyond the noise band and --tolerance")
+        parser.add_argument("--tolerance", type=_bounded(float, 0), default=0.05,
+                            help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
     elif command == "moe":
         parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
         _timing_flags(parser, 1, 5)
