@@ -1089,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(getattr(args, "threads", 0) or threads)
     clock = CLOCKS[getattr(args, "clock", "wall")]
     try:
-        if clock is not CLOCKS["wall"] and torch.cuda.is_available():
+        if clock is not CLOCKS["wall"] and parallel.use_cuda():
             raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
         if command == "plot":
             result = bench_plot(args.out_dir)

@@ -105,17 +105,30 @@ def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, g
                          f"or train on GPUs.")
 
 
+def use_cuda() -> bool:
+    """Whether this process computes on a GPU: NANOTITAN_DEVICE=cpu or cuda says so, unset (or auto) means wherever
+    a GPU is visible. The tests set cpu, so that the CPU suite runs the same on a GPU machine."""
+    choice = os.environ.get("NANOTITAN_DEVICE", "auto")
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"NANOTITAN_DEVICE={choice} is not one of auto, cpu, cuda; unset it to use a GPU where "
+                         f"there is one.")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("NANOTITAN_DEVICE=cuda but torch sees no CUDA GPU; unset it (or set cpu) to run on the CPU.")
+    return choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+
+
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
     collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group. On CPU it
     also keeps freed memory in the process (keep_freed_cpu_memory)."""
-    if not torch.cuda.is_available():
+    cuda = use_cuda()
+    if not cuda:
         keep_freed_cpu_memory()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    if cuda:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")

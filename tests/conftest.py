@@ -9,13 +9,27 @@ import sysconfig
 import traceback
 
 import pytest
+import torch
 
 import data
 import parallel
 
+# The suite checks the CPU paths and runs the same on a GPU machine: this process and every worker it launches use
+# the CPU (parallel.use_cuda). tests/test_cuda.py checks CUDA, and --nccl puts the multi-rank layouts on GPUs.
+os.environ["NANOTITAN_DEVICE"] = "cpu"
+
 # A structurally complete AfMoE (dense first layer, 3 local + 1 global, shared + routed experts) at toy width.
 TINY_MODEL_FLAGS = ["--dim=64", "--n_heads=4", "--n_kv_heads=2", "--head_dim=16", "--dense_hidden=128",
                     "--n_experts=16", "--top_k=4", "--expert_hidden=16", "--window=16"]
+
+
+def ranks_device(config, nproc: int) -> torch.device:
+    """Where a multi-rank test's ranks run: gloo on CPU, or with --nccl one GPU each (skipped without nproc GPUs)."""
+    if not config.getoption("--nccl"):
+        return torch.device("cpu")
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"--nccl needs {nproc} GPUs, one per rank; this machine has {torch.cuda.device_count()}")
+    return torch.device("cuda")
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +53,14 @@ def run_worker(fn, *args):
     parallel.finish(0)
 
 
-def torchrun(nproc: int, *args: str, timeout_s: int = 400):
-    """Run `python -m torch.distributed.run --nproc_per_node=nproc ARGS` from the repository root on gloo ranks; kill
-    the whole process group if it hangs, so nothing is left running, and fail with the end of its output."""
+def torchrun(nproc: int, *args: str, timeout_s: int = 400, device: torch.device = torch.device("cpu")):
+    """Run `python -m torch.distributed.run --nproc_per_node=nproc ARGS` from the repository root, on gloo ranks
+    (NCCL ones on a cuda `device`); kill the whole process group if it hangs, so nothing is left running, and fail
+    with the end of its output."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "NANOTITAN_DEVICE": device.type}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

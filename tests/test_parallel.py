@@ -5,7 +5,10 @@ batch under several layouts (HSDP, EP, activation checkpointing) and must match 
 
 The multi-rank runs are this file run under torchrun (`python -m torch.distributed.run --standalone
 --nproc_per_node=8 tests/test_parallel.py eight OUT_DIR`); one launch loops over several layouts, because starting
-8 torch processes on a 2-core machine costs more than the training."""
+8 torch processes on a 2-core machine costs more than the training. On a node with 8 GPUs, `--nccl` runs the same
+layouts on NCCL, one GPU per rank, against one process on a GPU (a check of EP and HSDP before a long run):
+
+    python -m pytest -q --nccl tests/test_parallel.py"""
 
 import sys
 from pathlib import Path
@@ -17,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from model import ModelConfig, Transformer
-from conftest import run_worker, torchrun
+from conftest import ranks_device, run_worker, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
@@ -62,19 +65,20 @@ def update_expert_bias(model, counts_LE):
 
 def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_sync=False):
     """STEPS AdamW steps on this rank's slice of each global batch; returns the global mean losses, the gradient
-    norms and the tokens per expert of the global batch, per step, and the first step's full gradients."""
+    norms and the tokens per expert of the global batch, per step, and the first step's full gradients (on CPU)."""
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
     local_batch = GLOBAL_BATCH // world
     accum = local_batch // micro_batch
     record = {"loss": [], "grad_norm": [], "counts": []}
     for step in range(STEPS):
         mine = tokens[step, rank * local_batch:(rank + 1) * local_batch]
-        loss_sum = torch.zeros(())
-        counts_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, dtype=torch.long)
+        loss_sum = torch.zeros((), device=device)
+        counts_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, dtype=torch.long, device=device)
         for i in range(accum):
             if no_sync:
                 model.set_requires_gradient_sync(i == accum - 1)
-            micro = mine[i * micro_batch:(i + 1) * micro_batch]
+            micro = mine[i * micro_batch:(i + 1) * micro_batch].to(device)
             lm_loss = model(micro[:, :-1], targets_BT=micro[:, 1:])
             loss = lm_loss + model.balance_loss()  # aux and z-losses: their gradients reach the router too
             (loss / accum).backward()
@@ -83,14 +87,14 @@ def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_syn
         all_reduce_sum_(loss_sum)
         all_reduce_sum_(counts_LE)
         if step == 0:  # the first step's full gradients: AdamW hides a wrongly scaled gradient, this does not
-            record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu().clone()
                                for n, p in model.named_parameters()}
         record["grad_norm"].append(float(clip(model, MAX_NORM)))
         opt.step()
         opt.zero_grad()
         update_expert_bias(model, counts_LE)
         record["loss"].append(loss_sum.item() / world)
-        record["counts"].append(counts_LE)
+        record["counts"].append(counts_LE.cpu())
     return record
 
 
@@ -107,7 +111,9 @@ def run_layout(name, init, tokens, rank, world, device):
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(CFG, layout, mesh, device, ac=run.get("ac", "none"),
                                  compile=run.get("compile", False))
-    if run.get("compile"):  # torch 2.13 cannot trace fp32 grouped_mm on CPU (its fake kernel wants bf16)
+    # torch 2.13 cannot trace fp32 grouped_mm on CPU (its fake kernel wants bf16); CUDA's grouped GEMM runs in bf16,
+    # where each rank's partial sums would round apart from one process's whole sums.
+    if run.get("compile") or device.type == "cuda":
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
 
@@ -133,7 +139,7 @@ def run_layout(name, init, tokens, rank, world, device):
     if name == DCP_SAVE:
         dcp.save(get_model_state_dict(model), checkpoint_id=OUT / "dcp")
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"bias": [m.expert_bias.clone() for m in model.moe_layers()],
+    dist.all_gather_object(per_rank, {"bias": [m.expert_bias.cpu().clone() for m in model.moe_layers()],
                                       "counts": record["counts"], "bytes": param_bytes,
                                       "replicas_equal": replicas_equal})
     if rank == 0:
@@ -160,25 +166,27 @@ def worker(mode):
 # ------------------------------------------------------------------------------------------------------------------
 # The tests
 
-def launch(nproc, mode, out):
-    torchrun(nproc, str(Path(__file__).resolve()), mode, str(out))
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The single-process reference and every multi-rank run."""
+def runs(tmp_path_factory, request):
+    """The single-process reference and every multi-rank run (with --nccl: on GPUs, the experts' fp32 loop)."""
+    device = ranks_device(request.config, 8)
     out = tmp_path_factory.mktemp("parallel")
     torch.manual_seed(0)
     model = Transformer(CFG)
     tokens = batches()
     torch.save({"state_dict": model.state_dict(), "tokens": tokens}, out / "init.pt")
-    launch(8, "eight", out)
-    launch(2, "two", out)
+    for nproc, mode in ((8, "eight"), (2, "two")):
+        torchrun(nproc, str(Path(__file__).resolve()), mode, str(out), device=device)
+    model.to(device)
+    if device.type == "cuda":  # as the ranks run them (run_layout)
+        for moe in model.moe_layers():
+            moe.experts.impl = "loop"
     reference = train(model, tokens, 0, 1, GLOBAL_BATCH,
                       lambda m, max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm), lambda t: t)
-    reference["state_dict"] = model.state_dict()
-    reference["bias"] = [m.expert_bias.clone() for m in model.moe_layers()]
-    results = {name: torch.load(out / f"{name}.pt") for name in RUNS}
+    reference["state_dict"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
+    reference["device"] = device
+    results = {name: torch.load(out / f"{name}.pt", map_location="cpu") for name in RUNS}
     bad = [(out / f"bad_layout_rank{r}.txt").read_text() for r in range(2)]
     # What parallel.build_model initialises in one process from the same (default) seed.
     reference["fresh_init"] = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu")).state_dict()
@@ -229,6 +237,8 @@ def test_each_rank_holds_its_share_of_the_parameters(runs, name):
 def test_fresh_initialisation_matches_single_process(runs, name):
     """build_model gives every layout, from the same seed, the exact weights one process draws."""
     reference, results, _ = runs
+    if reference["device"].type == "cuda":
+        pytest.skip("on CUDA, DTensor's RNG tracker draws shards from one global stream, not one process's draws")
     fresh, want = results[name]["fresh_init"], reference["fresh_init"]
     assert fresh.keys() == want.keys()
     for key in want:
