@@ -586,8 +586,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         prompt = torch.tensor([enc.encode("def ")], device=device)
         torch.manual_seed(tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
         model.eval()
-        sample = model.generate(prompt, tc.sample_tokens, temperature=0.8, top_k=50)[0].tolist()
-        say("sample:\n" + enc.decode([t for t in sample if t < enc.n_vocab]))
+        sample = model.generate(prompt, tc.sample_tokens, temperature=0.8, top_k=50, vocab_size=enc.n_vocab)
+        say("sample:\n" + enc.decode(sample[0].tolist()))
     watchdog.stop()
     preemption.close()
     return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
