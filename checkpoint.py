@@ -672,6 +672,19 @@ def sampling_model(path: str, device: torch.device):
     return model, tokenizer, why_none
 
 
+def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
+    tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
+    ok = [i < tokenizer.n_vocab for i in range(vocab_size)]
+    if hasattr(tokenizer, "decode_single_token_bytes"):  # tiktoken
+        for i in range(min(tokenizer.n_vocab, vocab_size)):
+            try:
+                tokenizer.decode_single_token_bytes(i)
+            except KeyError:
+                ok[i] = False
+    return torch.tensor(ok)
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -707,8 +720,9 @@ def _sample(args):
     torch.manual_seed(args.seed)
     prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
     t0 = time.time()
+    allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
     out_BS = model.generate(prompt_BT, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
-                            vocab_size=None if tokenizer is None else tokenizer.n_vocab)
+                            allowed_V)
     seconds = time.time() - t0
     for i, row in enumerate(out_BS.tolist()):
         print(f"--- sample {i + 1}/{args.num_samples}")

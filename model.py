@@ -394,8 +394,12 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each), each row
     times scale_N if given (the router's gates: applied to the I-wide activation before the down projection, the
     same as scaling the D-wide output but cheaper). gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is
-    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference) or "auto"
-    (grouped where it runs, else the loop, with a warning)."""
+    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference), "rows" (each
+    row's expert weights gathered, one batched matmul) or "auto": "rows" on CPU without gradients when there are
+    fewer rows than experts (decoding: the CPU grouped GEMM runs one matmul per expert, empty ones included, 256 of
+    them for 4 rows), else grouped where it runs, else the loop, with a warning."""
+    if impl == "auto" and x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) < len(counts_E):
+        impl = "rows"
     if impl == "auto":
         why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
@@ -408,6 +412,11 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         act_NI = F.silu(gate_NI) * up_NI
         return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
+    if impl == "rows":
+        expert_N = torch.repeat_interleave(torch.arange(len(counts_E), device=x_ND.device), counts_E,
+                                           output_size=len(x_ND))
+        act_NI = swiglu(torch.bmm(gate_up_EHD[expert_N].to(dtype), x_ND.unsqueeze(-1)).squeeze(-1))
+        return torch.bmm(down_EDI[expert_N].to(dtype), act_NI.unsqueeze(-1)).squeeze(-1)
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
         rows = counts_E.tolist()
         act_NI = swiglu(torch.cat([F.linear(x_nD, w_HD.to(dtype))
@@ -796,11 +805,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, vocab_size: int | None = None):
+                 top_p: float | None = None, allowed_V: torch.Tensor | None = None):
         """Sample max_new_tokens after each row of tokens_BT (rows of one prompt length); returns [B, T + new].
         The prompt runs once into a KV cache, then each step runs only the newest token, eagerly (compiled blocks
         included: no recompilation per length). temperature 0 is greedy; see sample_next for top_k, top_p and
-        vocab_size. Every rank of a sharded model takes part in each forward, so all ranks must call it with the
+        allowed_V. Every rank of a sharded model takes part in each forward, so all ranks must call it with the
         same tokens and the same RNG state."""
         B, T = tokens_BT.shape
         if T + max_new_tokens > self.cfg.max_seq_len:
@@ -811,35 +820,37 @@ class Transformer(nn.Module):
         with torch.compiler.set_stance("force_eager"):
             for t in range(T, T + max_new_tokens):
                 logits_BV = self(next_BT, cache=cache)[:, -1]
-                next_BT = sample_next(logits_BV, temperature, top_k, top_p, vocab_size)
+                next_BT = sample_next(logits_BV, temperature, top_k, top_p, allowed_V)
                 out_BS[:, t] = next_BT[:, 0]
         return out_BS
 
 
-def filter_logits(logits_BV, top_k: int | None = None, top_p: float | None = None):
-    """-inf outside each row's top_k largest logits, then outside its nucleus: the smallest set of most likely
-    tokens whose probability reaches top_p (a token is kept while the tokens ranked above it hold less than
-    top_p)."""
-    if top_k is not None and top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
-        probs_BV = torch.softmax(sorted_BV, -1)
-        drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass ranked above a token already reaches top_p
-        logits_BV = logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
-    return logits_BV
+def top_p_filter(logits_BV, top_p: float | None):
+    """-inf outside each row's nucleus: the smallest set of most likely tokens whose probability reaches top_p (a
+    token is kept while the tokens ranked above it hold less than top_p)."""
+    if top_p is None or top_p >= 1:
+        return logits_BV
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    probs_BV = torch.softmax(sorted_BV, -1)
+    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass ranked above a token already reaches top_p
+    return logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
 
 
 def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                vocab_size: int | None = None):
-    """One token id per row [B, 1]: argmax at temperature 0, else drawn from softmax(logits / temperature) after
-    filter_logits. vocab_size: draw only ids below it (a tokenizer's; the embedding is padded past it)."""
-    logits_BV = logits_BV[:, :vocab_size].float()
+                allowed_V: torch.Tensor | None = None):
+    """One token id per row [B, 1]: the argmax at temperature 0; else drawn from softmax(logits / temperature)
+    restricted to the top_k most likely ids, then to the top_p nucleus of those. allowed_V: True for the ids that
+    may come out (those a tokenizer can decode: the embedding is padded past them)."""
+    logits_BV = logits_BV.float()
+    if allowed_V is not None:
+        logits_BV = logits_BV.masked_fill(~allowed_V, float("-inf"))
     if temperature == 0:
         return logits_BV.argmax(-1, keepdim=True)
-    logits_BV = filter_logits(logits_BV / temperature, top_k, top_p)
-    return torch.multinomial(torch.softmax(logits_BV, -1), 1)
+    ids_BV = None
+    if top_k is not None and top_k < logits_BV.shape[-1]:  # draw among k candidates: cheaper than masking all V
+        logits_BV, ids_BV = logits_BV.topk(top_k, dim=-1)
+    next_B1 = torch.multinomial(torch.softmax(top_p_filter(logits_BV / temperature, top_p), -1), 1)
+    return next_B1 if ids_BV is None else ids_BV.gather(-1, next_B1)
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:

@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import parallel
-from model import ModelConfig, Transformer, filter_logits, sample_next
+from model import ModelConfig, Transformer, expert_ffn, sample_next, top_p_filter
 from conftest import run_worker, torchrun
 
 # Layers 1 and 3 global, 0 and 2 local with an 8-token window; a dense first layer, then MoE. A wide init spreads
@@ -63,30 +63,52 @@ def test_cached_logits_match_the_full_forward():
 def test_top_k_and_top_p_keep_what_brute_force_keeps():
     g = torch.Generator().manual_seed(3)
     logits_BV = torch.randn(64, 20, generator=g) * 3
-    for k in (1, 3, 20):
-        kept = torch.isfinite(filter_logits(logits_BV, top_k=k))
-        assert torch.equal(kept, logits_BV >= logits_BV.topk(k).values[:, -1:])
+    for k in (1, 3, 7):  # 400 draws per row land on exactly the k largest logits, each of them drawn
+        torch.manual_seed(k)
+        drawn_BN = torch.cat([sample_next(logits_BV / 4, 1.0, top_k=k) for _ in range(400)], dim=1)
+        drawn = [set(row) for row in drawn_BN.tolist()]
+        assert drawn == [set(row) for row in logits_BV.topk(k).indices.tolist()]
     for p in (0.05, 0.5, 0.9, 0.999):
-        kept = torch.isfinite(filter_logits(logits_BV, top_p=p))
+        kept = torch.isfinite(top_p_filter(logits_BV, p))
         for row, kept_V in zip(torch.softmax(logits_BV, -1).tolist(), kept):
             order = sorted(range(len(row)), key=lambda i: -row[i])
             n = next(i + 1 for i in range(len(row)) if math.fsum(row[j] for j in order[:i + 1]) >= p)
             assert sorted(kept_V.nonzero().flatten().tolist()) == sorted(order[:n]), (p, row)
     # Known numbers: 0.5, 0.3, 0.15, 0.05; p=0.75 needs the first two, p=0.45 the first alone.
     logits_1V = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    assert torch.isfinite(filter_logits(logits_1V, top_p=0.75)).tolist() == [[True, True, False, False]]
-    assert torch.isfinite(filter_logits(logits_1V, top_p=0.45)).tolist() == [[True, False, False, False]]
-    assert torch.isfinite(filter_logits(logits_1V, top_k=2, top_p=1.0)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits_1V, 0.75)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits_1V, 0.45)).tolist() == [[True, False, False, False]]
+    torch.manual_seed(0)
+    drawn = torch.cat([sample_next(logits_1V, top_p=0.75) for _ in range(400)], dim=1)
+    assert set(drawn.flatten().tolist()) == {0, 1} and 0.55 < (drawn == 0).float().mean() < 0.7  # 0.5 / 0.8
 
 
-def test_top_k_1_is_greedy_and_vocab_size_bounds_the_ids():
+def test_rows_expert_path_matches_the_per_expert_loop():
+    g = torch.Generator().manual_seed(8)
+    gate_up_EHD, down_EDI = torch.randn(16, 32, 8, generator=g), torch.randn(16, 8, 16, generator=g)
+    counts_E = torch.tensor([0, 3, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 1])
+    x_ND, scale_N = torch.randn(7, 8, generator=g), torch.rand(7, generator=g)
+    torch.testing.assert_close(expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, "rows", scale_N),
+                               expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, "loop", scale_N))
+
+
+def test_top_k_1_is_greedy_and_only_allowed_ids_come_out():
     model = tiny_model()
     prompt_BT = torch.randint(0, CFG.vocab_size, (2, 4), generator=torch.Generator().manual_seed(4))
     assert torch.equal(model.generate(prompt_BT, 12, temperature=1.5, top_k=1),
                        model.generate(prompt_BT, 12, temperature=0))
     logits_BV = torch.zeros(3, 10)
     logits_BV[:, 9] = 100.0  # a padding id that a tokenizer of 9 tokens can never decode
-    assert (sample_next(logits_BV, vocab_size=9) < 9).all() and (sample_next(logits_BV) == 9).all()
+    allowed_V = torch.arange(10) < 9
+    assert (sample_next(logits_BV, allowed_V=allowed_V) < 9).all() and (sample_next(logits_BV) == 9).all()
+    assert (sample_next(logits_BV, temperature=0, allowed_V=allowed_V) < 9).all()
+
+
+def test_decodable_ids_skip_cl100k_holes_and_padding():
+    import data
+    allowed_V = checkpoint.decodable_ids(data.get_encoding("cl100k_base"), 100352)
+    holes = {100256, *range(100261, 100276), *range(100277, 100352)}  # unassigned in cl100k_base, then padding
+    assert set((~allowed_V).nonzero().flatten().tolist()) == holes
 
 
 def test_the_seed_decides_the_samples():
@@ -146,7 +168,8 @@ def test_cli_samples_a_checkpoint_and_its_hf_export(saved, capsys):
                                  "--num_samples=2", "--seed=3", "--top_p=0.9")
     assert code == 0 and "2 x 10 tokens in" in err and "tokens/s on cpu" in err
     torch.manual_seed(3)
-    expected = model.generate(torch.tensor([enc.encode("def ")] * 2), 10, 0.8, 50, 0.9, vocab_size=enc.n_vocab)
+    expected = model.generate(torch.tensor([enc.encode("def ")] * 2), 10, 0.8, 50, 0.9,
+                              checkpoint.decodable_ids(enc, CLI_CFG.vocab_size))
     assert text == "".join(f"--- sample {i + 1}/2\n{enc.decode(row)}\n" for i, row in enumerate(expected.tolist()))
 
     # The export has no tokenizer: the prompt goes in as ids and ids come out, drawn from the whole (padded) vocab.
