@@ -726,7 +726,7 @@ def _sample(args):
     seconds = time.time() - t0
     for i, row in enumerate(out_BS.tolist()):
         print(f"--- sample {i + 1}/{args.num_samples}")
-        print(row if tokenizer is None else tokenizer.decode(row))
+        print(row if tokenizer is None else tokenizer.decode(row), flush=True)
     print(f"{args.num_samples} x {args.max_new_tokens} tokens in {seconds:.2f}s "
           f"({args.num_samples * args.max_new_tokens / seconds:.1f} tokens/s on {device.type})", file=sys.stderr)
 

@@ -12,6 +12,7 @@ comes from SPEC.md §1-3 and §7; transformers' `afmoe` model is the reference f
     model = Transformer(PRESETS["tiny"])
     logits_BTV = model(tokens_BT)
     loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)  # head and cross-entropy fused
+    tokens_BS = model.generate(prompt_BT, 64, temperature=0.8, top_k=50)  # KV-cached sampling
 
 Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
 E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
@@ -339,7 +340,7 @@ class KVCache:
             return F.scaled_dot_product_attention(q_BHTDh, self.k_BGSDh[:, :, :n], self.v_BGSDh[:, :, :n],
                                                   enable_gqa=True)
         if self.pos:
-            raise ValueError("a KVCache takes several tokens only as its first call (the prompt); then one a call.")
+            raise ValueError("a KVCache takes the whole prompt in its first call, then one token per call.")
         keep = min(T, self.size)
         slots = torch.arange(T - keep, T, device=k_BGTDh.device) % self.size
         self.k_BGSDh.index_copy_(2, slots, k_BGTDh[:, :, T - keep:])

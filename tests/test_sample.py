@@ -4,6 +4,7 @@ sharded (FSDP + EP) model on 2 ranks."""
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -187,7 +188,6 @@ def test_cli_samples_a_checkpoint_and_its_hf_export(saved, capsys):
 def test_cli_uses_a_hf_folders_tokenizer(saved, capsys, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    import shutil
     _, out = saved
     hf_dir = tmp_path / "hf"
     shutil.copytree(out / "hf", hf_dir)
