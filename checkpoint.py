@@ -693,11 +693,12 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _sample(args):
-    problems = [f"--{name}={getattr(args, name)} must be {rule}" for name, ok, rule in (
-        ("temperature", args.temperature >= 0, "0 (greedy) or more"), ("top_k", args.top_k >= 0, "0 (off) or more"),
-        ("top_p", 0 < args.top_p <= 1, "above 0 and at most 1 (1: off)"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"), ("num_samples", args.num_samples >= 1,
-                                                                      "at least 1")) if not ok]
+    checks = [("temperature", args.temperature >= 0, "0 (greedy) or more"),
+              ("top_k", args.top_k >= 0, "0 (off) or more"),
+              ("top_p", 0 < args.top_p <= 1, "above 0 and at most 1 (1: off)"),
+              ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
+              ("num_samples", args.num_samples >= 1, "at least 1")]
+    problems = [f"--{name}={getattr(args, name)} must be {rule}" for name, ok, rule in checks if not ok]
     if problems:
         raise ValueError("; ".join(problems) + ".")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -719,12 +720,12 @@ def _sample(args):
                          f"--prompt_ids.")
     torch.manual_seed(args.seed)
     prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
-    t0 = time.time()
     allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
-    out_BS = model.generate(prompt_BT, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
-                            allowed_V)
+    t0 = time.time()
+    rows = model.generate(prompt_BT, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
+                          allowed_V).tolist()  # on the host: the time includes the device's work
     seconds = time.time() - t0
-    for i, row in enumerate(out_BS.tolist()):
+    for i, row in enumerate(rows):
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
     print(f"{args.num_samples} x {args.max_new_tokens} tokens in {seconds:.2f}s "
