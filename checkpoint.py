@@ -19,6 +19,7 @@ mid-save leaves the previous checkpoint as the newest complete one.
     python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder,
                                                              # weights and the tokenizer its data was prepared with
     python checkpoint.py export out/ckpt/step_00000010 out/hf
+    python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
     from checkpoint import save, load, latest, export_hf, load_hf, load_hf_into
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
@@ -36,6 +37,7 @@ import random
 import re
 import shutil
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
@@ -644,10 +646,114 @@ def _ls(ckpt_root: str):
     print("partial: a save in progress or killed; incomplete: no COMPLETE marker. Only complete ones are loaded.")
 
 
+def sampling_model(path: str, device: torch.device):
+    """(model in eval mode, tokenizer or None, why there is none) from a Hugging Face `afmoe` folder, a checkpoint
+    directory or a checkpoint root. The tokenizer has encode, decode and n_vocab: a folder's tokenizer.json through
+    transformers' AutoTokenizer, a checkpoint's tiktoken encoding (its train.tokenizer)."""
+    import data
+    from model import Transformer
+
+    hf_dir = os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json")
+    if hf_dir:
+        cfg = hf_config(path)
+    else:
+        path = _resolve(path)
+        saved = _read_json(path, "config.json")
+        if not isinstance(saved.get("model"), dict):
+            raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
+        cfg = ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    if hf_dir:
+        load_hf_into(model, path)
+    else:
+        with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
+            warnings.simplefilter("ignore")
+            load(path, {"model": model})
+    model.eval()
+
+    tokenizer, why_none = None, f"{path} names no tokenizer"
+    if hf_dir and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            from transformers import AutoTokenizer
+            hf_tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
+            why_none = f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
+        else:
+            tokenizer = argparse.Namespace(encode=hf_tok.encode, decode=hf_tok.decode, n_vocab=len(hf_tok))
+    elif not hf_dir and saved.get("train", {}).get("tokenizer"):
+        try:
+            tokenizer = data.get_encoding(saved["train"]["tokenizer"])
+        except data.DataError as e:
+            why_none = str(e)
+    return model, tokenizer, why_none
+
+
+def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
+    tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
+    ok = [i < tokenizer.n_vocab for i in range(vocab_size)]
+    if hasattr(tokenizer, "decode_single_token_bytes"):  # tiktoken
+        for i in range(min(tokenizer.n_vocab, vocab_size)):
+            try:
+                tokenizer.decode_single_token_bytes(i)
+            except KeyError:
+                ok[i] = False
+    return torch.tensor(ok)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
+
+
+def _sample(args):
+    checks = [("temperature", args.temperature >= 0, "0 (greedy) or more"),
+              ("top_k", args.top_k >= 0, "0 (off) or more"),
+              ("top_p", 0 < args.top_p <= 1, "above 0 and at most 1 (1: off)"),
+              ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
+              ("num_samples", args.num_samples >= 1, "at least 1")]
+    problems = [f"--{name}={getattr(args, name)} must be {rule}" for name, ok, rule in checks if not ok]
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
+    device = torch.device(args.device)
+    model, tokenizer, why_none = sampling_model(args.ckpt, device)
+    for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
+        p.data = p.data.to(getattr(torch, args.dtype))
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+    elif tokenizer is None:
+        raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
+                         f"--prompt_ids=1,2,3.")
+    else:
+        ids = tokenizer.encode(args.prompt)
+    V = model.cfg.vocab_size
+    if not ids or not all(0 <= t < V for t in ids):
+        raise ValueError(f"the prompt must be 1 or more token ids in [0, {V}), not {ids}; give --prompt or "
+                         f"--prompt_ids.")
+    torch.manual_seed(args.seed)
+    prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
+    allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
+    t0 = time.time()
+    rows = model.generate(prompt_BT, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
+                          allowed_V).tolist()  # on the host: the time includes the device's work
+    seconds = time.time() - t0
+    for i, row in enumerate(rows):
+        print(f"--- sample {i + 1}/{args.num_samples}")
+        print(row if tokenizer is None else tokenizer.decode(row), flush=True)
+    print(f"{args.num_samples} x {args.max_new_tokens} tokens in {seconds:.2f}s "
+          f"({args.num_samples * args.max_new_tokens / seconds:.1f} tokens/s on {device.type})", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
                                      allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export,sample}")
     p = sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size")
     p.add_argument("ckpt_root", metavar="CKPT_ROOT")
     p = sub.add_parser("export", help="write a Hugging Face afmoe folder from a checkpoint")
@@ -656,10 +762,30 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file (default 5 GiB)")
     p.add_argument("--tokenizer", default=None, help="tiktoken name or Hugging Face tokenizer folder to write "
                    "(default: the one the training data was prepared with)")
+    p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
+    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root (its newest complete one) or a "
+                                               "Hugging Face afmoe folder")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--prompt_ids", type=_token_ids, help="the prompt as token ids (1,2,3), for a model without "
+                                                         "a tokenizer; overrides --prompt")
+    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated after the prompt")
+    p.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt, generated as one batch")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                                                            "probability reaches p (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
     args = parser.parse_args(argv)
+    if args.command == "sample" and args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)
+        elif args.command == "sample":
+            _sample(args)
         else:
             used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30), args.tokenizer)
             print(f"exported {used} to {args.out_dir}")

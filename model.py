@@ -12,6 +12,7 @@ comes from SPEC.md §1-3 and §7; transformers' `afmoe` model is the reference f
     model = Transformer(PRESETS["tiny"])
     logits_BTV = model(tokens_BT)
     loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)  # head and cross-entropy fused
+    tokens_BS = model.generate(prompt_BT, 64, temperature=0.8, top_k=50)  # KV-cached sampling
 
 Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
 E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
@@ -214,9 +215,10 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-def rope_cos_sin(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(T: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of positions start .. start+T-1."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    freqs_TF = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    freqs_TF = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
     angles_TDh = torch.cat([freqs_TF, freqs_TF], dim=-1)  # rotate-half layout: both halves share the frequencies
     return angles_TDh.cos(), angles_TDh.sin()
 
@@ -300,15 +302,51 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x_BTD, cos_TDh, sin_TDh, mask):
+    def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: "KVCache | None" = None):
         B, T, _ = x_BTD.shape
         q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
         k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v_BGTDh = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if not self.is_global:
             q_BHTDh, k_BGTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh), apply_rope(k_BGTDh, cos_TDh, sin_TDh)
-        o_BTHDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask).transpose(1, 2).reshape(B, T, -1)
+        o_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask) if cache is None else cache.attend(q_BHTDh, k_BGTDh,
+                                                                                            v_BGTDh, mask)
+        o_BTHDh = o_BHTDh.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o_BTHDh * torch.sigmoid(self.gate_proj(x_BTD)))
+
+
+class KVCache:
+    """One attention layer's keys and values during generation: the prompt is written at once (a prefill from
+    empty, attended with the layer's usual mask), then one token per call, which attends to every cached key with
+    SDPA and no mask. A global layer keeps all keys; a local layer only its last `window`, in a ring: keys are
+    cached after RoPE and attention does not depend on their order, so the slot of position p is p % window.
+    Buffers are allocated at the first call, in the keys' dtype, on their device."""
+
+    def __init__(self, length: int, window: int | None):
+        self.size = length if window is None else min(window, length)
+        self.pos = 0  # tokens written so far
+        self.k_BGSDh = self.v_BGSDh = None
+
+    def attend(self, q_BHTDh, k_BGTDh, v_BGTDh, mask):
+        B, G, T, Dh = k_BGTDh.shape
+        if self.k_BGSDh is None:
+            self.k_BGSDh, self.v_BGSDh = (k_BGTDh.new_empty(B, G, self.size, Dh) for _ in range(2))
+        if T == 1:
+            slot = self.pos % self.size
+            self.k_BGSDh[:, :, slot] = k_BGTDh[:, :, 0]
+            self.v_BGSDh[:, :, slot] = v_BGTDh[:, :, 0]
+            self.pos += 1
+            n = min(self.pos, self.size)
+            return F.scaled_dot_product_attention(q_BHTDh, self.k_BGSDh[:, :, :n], self.v_BGSDh[:, :, :n],
+                                                  enable_gqa=True)
+        if self.pos:
+            raise ValueError("a KVCache takes the whole prompt in its first call, then one token per call.")
+        keep = min(T, self.size)
+        slots = torch.arange(T - keep, T, device=k_BGTDh.device) % self.size
+        self.k_BGSDh.index_copy_(2, slots, k_BGTDh[:, :, T - keep:])
+        self.v_BGSDh.index_copy_(2, slots, v_BGTDh[:, :, T - keep:])
+        self.pos = T
+        return attend(q_BHTDh, k_BGTDh, v_BGTDh, mask)
 
 
 class FeedForward(nn.Module):
@@ -357,8 +395,12 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each), each row
     times scale_N if given (the router's gates: applied to the I-wide activation before the down projection, the
     same as scaling the D-wide output but cheaper). gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is
-    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference) or "auto"
-    (grouped where it runs, else the loop, with a warning)."""
+    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference), "rows" (each
+    row's expert weights gathered, one batched matmul) or "auto": "rows" on CPU without gradients when there are
+    fewer rows than experts (decoding: the CPU grouped GEMM runs one matmul per expert, empty ones included, 256 of
+    them for 4 rows), else grouped where it runs, else the loop, with a warning."""
+    if impl == "auto" and x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) < len(counts_E):
+        impl = "rows"
     if impl == "auto":
         why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
@@ -371,6 +413,11 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         act_NI = F.silu(gate_NI) * up_NI
         return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
+    if impl == "rows":
+        expert_N = torch.repeat_interleave(torch.arange(len(counts_E), device=x_ND.device), counts_E,
+                                           output_size=len(x_ND))
+        act_NI = swiglu(torch.bmm(gate_up_EHD[expert_N].to(dtype), x_ND.unsqueeze(-1)).squeeze(-1))
+        return torch.bmm(down_EDI[expert_N].to(dtype), act_NI.unsqueeze(-1)).squeeze(-1)
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
         rows = counts_E.tolist()
         act_NI = swiglu(torch.cat([F.linear(x_nD, w_HD.to(dtype))
@@ -665,8 +712,8 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.is_moe(layer) else FeedForward(cfg.dim, cfg.dense_hidden)
         self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, init_gain=post_gain)
 
-    def forward(self, x_BTD, cos_TDh, sin_TDh, mask):
-        x_BTD = x_BTD + self.attn_post_norm(self.attn(self.attn_norm(x_BTD), cos_TDh, sin_TDh, mask))
+    def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: KVCache | None = None):
+        x_BTD = x_BTD + self.attn_post_norm(self.attn(self.attn_norm(x_BTD), cos_TDh, sin_TDh, mask, cache))
         return x_BTD + self.ffn_post_norm(self.ffn(self.ffn_norm(x_BTD)))
 
 
@@ -705,20 +752,24 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
-    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None):
+    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None):
         """Logits [B, T, V]; with targets instead the mean token cross-entropy (head_loss). doc_ids_BT (document
         index per token) restricts attention to each token's document. The MoE balance losses of this forward are
-        in balance_loss()."""
+        in balance_loss(). With a cache (new_cache), tokens_BT continue the cached ones (the whole prompt first,
+        then one token a call), attention is always SDPA, and only the last position's logits [B, 1, V] are made."""
         B, T = tokens_BT.shape
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
             x_BTD = x_BTD * math.sqrt(self.cfg.dim)
-        cos_TDh, sin_TDh = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens_BT.device)
+        start, flex = (0, None) if cache is None else (cache[0].pos, False)
+        cos_TDh, sin_TDh = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens_BT.device, start)
         window = self.cfg.window if self.cfg.window < T else None
-        masks = {False: make_mask(T, window, doc_ids_BT, tokens_BT.device),
-                 True: make_mask(T, None, doc_ids_BT, tokens_BT.device)}
-        for block in self.layers.values():
-            x_BTD = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global])
+        masks = {False: make_mask(T, window, doc_ids_BT, tokens_BT.device, flex),
+                 True: make_mask(T, None, doc_ids_BT, tokens_BT.device, flex)}
+        for block, layer_cache in zip(self.layers.values(), cache or [None] * len(self.layers)):
+            x_BTD = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
+        if cache is not None:
+            return self.head(self.norm(x_BTD[:, -1:]))
         h_BTD = self.norm(x_BTD)
         if targets_BT is None:
             return self.head(h_BTD)
@@ -753,17 +804,60 @@ class Transformer(nn.Module):
         ctx = sum(seq_len if cfg.is_global(i) else min(cfg.window, seq_len) for i in range(cfg.n_layers))
         return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * ctx
 
+    # --- generation
+
+    def new_cache(self, length: int) -> list[KVCache]:
+        """An empty KV cache for sequences of up to `length` tokens, one KVCache per layer."""
+        return [KVCache(length, None if self.cfg.is_global(i) else self.cfg.window) for i in range(self.cfg.n_layers)]
+
     @torch.no_grad()
-    def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = 50):
-        """Sample a continuation (no KV cache: the model is re-run on the last max_seq_len tokens each step)."""
-        for _ in range(max_new_tokens):
-            logits_BV = self(tokens_BT[:, -self.cfg.max_seq_len:])[:, -1].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
-                logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-            next_B1 = torch.multinomial(torch.softmax(logits_BV, -1), 1)
-            tokens_BT = torch.cat([tokens_BT, next_B1], dim=1)
-        return tokens_BT
+    def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, allowed_V: torch.Tensor | None = None):
+        """Sample max_new_tokens after each row of tokens_BT (rows of one prompt length); returns [B, T + new].
+        The prompt runs once into a KV cache, then each step runs only the newest token, eagerly (compiled blocks
+        included: no recompilation per length). temperature 0 is greedy; see sample_next for top_k, top_p and
+        allowed_V. Every rank of a sharded model takes part in each forward, so all ranks must call it with the
+        same tokens and the same RNG state."""
+        B, T = tokens_BT.shape
+        if T + max_new_tokens > self.cfg.max_seq_len:
+            _warn_once(f"generating {T + max_new_tokens} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
+                       f"global layers attend to more tokens than the model was trained on.")
+        out_BS = torch.cat([tokens_BT, tokens_BT.new_empty(B, max_new_tokens)], dim=1)
+        cache, next_BT = self.new_cache(T + max_new_tokens), tokens_BT
+        with torch.compiler.set_stance("force_eager"):
+            for t in range(T, T + max_new_tokens):
+                logits_BV = self(next_BT, cache=cache)[:, -1]
+                next_BT = sample_next(logits_BV, temperature, top_k, top_p, allowed_V)
+                out_BS[:, t] = next_BT[:, 0]
+        return out_BS
+
+
+def top_p_filter(logits_BV, top_p: float | None):
+    """-inf outside each row's nucleus: the smallest set of most likely tokens whose probability reaches top_p (a
+    token is kept while the tokens ranked above it hold less than top_p)."""
+    if top_p is None or top_p >= 1:
+        return logits_BV
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    probs_BV = torch.softmax(sorted_BV, -1)
+    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass ranked above a token already reaches top_p
+    return logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
+
+
+def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                allowed_V: torch.Tensor | None = None):
+    """One token id per row [B, 1]: the argmax at temperature 0; else drawn from softmax(logits / temperature)
+    restricted to the top_k most likely ids, then to the top_p nucleus of those. allowed_V: True for the ids that
+    may come out (those a tokenizer can decode: the embedding is padded past them)."""
+    logits_BV = logits_BV.float()
+    if allowed_V is not None:
+        logits_BV = logits_BV.masked_fill(~allowed_V, float("-inf"))
+    if temperature == 0:
+        return logits_BV.argmax(-1, keepdim=True)
+    ids_BV = None
+    if top_k is not None and top_k < logits_BV.shape[-1]:  # draw among k candidates: cheaper than masking all V
+        logits_BV, ids_BV = logits_BV.topk(top_k, dim=-1)
+    next_B1 = torch.multinomial(torch.softmax(top_p_filter(logits_BV / temperature, top_p), -1), 1)
+    return next_B1 if ids_BV is None else ids_BV.gather(-1, next_B1)
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
