@@ -223,7 +223,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
 
 def read_config(path: str, kinds: dict) -> dict:
     """The flag values a config file sets, parsed as the command line parses them. The file is a run's config.json
-    ({"train": ..., "model": ..., "world_size": ...}; the world size is the launcher's to choose and is not read) or
+    ({"train": ..., "model": ..., "world_size": ..., "tokenizer": ...}; the world size and the data's tokenizer are
+    recorded facts, not read) or
     TOML (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
     vocab_size and max_seq_len included, so replaying it builds that model again whatever the preset now says.
     Raises ValueError, one sentence, for a missing or unreadable file, an unknown key or a value of the wrong type."""
@@ -243,7 +244,7 @@ def read_config(path: str, kinds: dict) -> dict:
     for key, value in raw.items():
         if key in ("train", "model") and isinstance(value, dict):
             entries.update({f"{key}.{k}": v for k, v in value.items()})
-        elif key != "world_size":
+        elif key not in ("world_size", "tokenizer"):  # what the run found, not flags: the launcher's and the data's
             entries[key] = value
     values = {}
     for key, value in entries.items():
