@@ -34,7 +34,7 @@ from model import ModelConfig, Transformer
 ROOT = Path(__file__).resolve().parent.parent
 # torch >= 2.5 shares torchrun's rendezvous TCPStore with the workers and keeps it across restarts, so a restarted
 # worker can read a dead one's address and fail to connect (pytorch/pytorch#135712); this opts out of the sharing.
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 FOUR_RANKS = ["--dp_replicate=2", "--ep=2", "--micro_batch=1"]  # world 4: HSDP 2 x 2 with the experts split over 2
 # The 100k-token vocabulary makes the embedding and head most of the model: half the width halves the bytes every
 # step gathers and every checkpoint writes.
