@@ -19,10 +19,11 @@ mid-save leaves the previous checkpoint as the newest complete one.
     python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder
     python checkpoint.py export out/ckpt/step_00000010 out/hf
 
-    from checkpoint import save, load, latest, export_hf, load_hf, load_hf_into
+    from checkpoint import save, load, latest, load_latest, export_hf, load_hf, load_hf_into
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     wait()                                                   # on every rank, before the next save and at exit
     train_state = load(latest("out/ckpt"), {"model": model, "optim": optim}, config)
+    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim}, config)  # skips damaged ones
     cfg, state_dict = load_hf("out/hf")                      # our ModelConfig and a state dict for Transformer(cfg)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 """
@@ -412,7 +413,9 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     Returns a callable that waits for the write and marks the checkpoint complete; every rank must call it before
     the next save and before exiting (a synchronous save is complete already and the callable does nothing). Its
     .done() says whether this rank's write has finished, so a loop can mark the checkpoint complete as soon as every
-    rank's has, without waiting."""
+    rank's has, without waiting. A write that fails (a full disk) raises SaveFailed, here or from the callable,
+    after removing its partial files; the previous checkpoint stays the newest. Pruning spares other runs'
+    checkpoints: those whose config "run_id" differs from this one's."""
     while _pending:  # a forgotten wait() of the previous async save
         _pending[0]()
     rank, world = _rank_world()

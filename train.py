@@ -479,10 +479,11 @@ class Watchdog:
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json")
 
 
-def prepare_out_dir(tc: TrainConfig, master: bool) -> str | None:
+def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
     """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another
     run there: only --resume=auto or a checkpoint of OUT_DIR's own continues it, --overwrite replaces it (rank 0
-    deletes its files). Returns what to resume from: a checkpoint, OUT_DIR's checkpoint root, or None (fresh)."""
+    deletes its files). A job torchrun restarted continues what its first attempt wrote (--resume=auto). Returns
+    the config and what to resume from: a checkpoint, OUT_DIR's checkpoint root (auto), or None (fresh)."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -491,11 +492,13 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> str | None:
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
     root = os.path.join(tc.out_dir, "checkpoints")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and checkpoint.latest(root):
+        tc = dataclasses.replace(tc, resume="auto")
     if tc.resume == "auto":
-        return root if checkpoint.latest(root) else None
+        return tc, root if checkpoint.latest(root) else None
     resume_from = None if tc.resume == "none" else tc.resume
     if resume_from and os.path.abspath(resume_from).startswith(os.path.join(os.path.abspath(root), "")):
-        return resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
+        return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
     present = [name for name in RUN_FILES if os.path.exists(os.path.join(tc.out_dir, name))]
     if present and not tc.overwrite:
         raise ValueError(f"--out_dir={tc.out_dir} holds another run ({', '.join(present)}), which a new run would mix "
@@ -506,7 +509,7 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> str | None:
         for name in RUN_FILES[1:]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(tc.out_dir, name))
-    return resume_from
+    return tc, resume_from
 
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: dict, resolved: dict,
@@ -559,7 +562,7 @@ class Checkpointer:
     def __init__(self, tc: TrainConfig, root: str, train_state, targets: dict, resolved: dict, say):
         self.tc, self.root, self.train_state, self.targets, self.resolved, self.say = (tc, root, train_state, targets,
                                                                                        resolved, say)
-        self.pending, self.lost, self.last_time, self.step = None, None, time.time(), 0
+        self.pending, self.lost, self.last_time, self.step, self.final = None, None, time.time(), 0, False
 
     def clock_due(self) -> bool:
         return bool(self.tc.ckpt_minutes) and time.time() - self.last_time >= 60 * self.tc.ckpt_minutes
@@ -609,8 +612,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
     master = rank == 0
     say = print if master else (lambda *a, **k: None)
-    tc = with_batch_defaults(tc, world)
-    resume_from = prepare_out_dir(tc, master)
+    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), master)
     torch.manual_seed(tc.seed)
     autocast, dtype = autocast_for(tc, device)
     ckpt_root = os.path.join(tc.out_dir, "checkpoints")
