@@ -779,4 +779,7 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, checkpoint.SaveFailed) else 2)
+    except KeyboardInterrupt:  # before the loop (nothing to save yet), or a second Ctrl-C
+        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+        sys.exit(130)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

@@ -148,7 +148,8 @@ def test_crash_restart_resumes_bitwise(reference, corpus_dir, tmp_path):
     assert want.keys() == got.keys() and any(k.startswith("optim.") for k in got)
     for k in want:
         assert torch.equal(want[k], got[k]), k
-    assert train_state(str(final)) == train_state(str(final_ref))
+    assert ({k: v for k, v in train_state(str(final)).items() if k != "run_id"} ==  # each launch is its own run
+            {k: v for k, v in train_state(str(final_ref)).items() if k != "run_id"})
 
 
 # --- resharding: a 4-rank checkpoint resumed on 2 ranks and on 1 process
