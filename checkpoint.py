@@ -38,7 +38,6 @@ import re
 import shutil
 import sys
 import warnings
-import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Callable
@@ -445,27 +444,39 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
                              f"newest checkpoint is still {previous or 'none'}.") from None
 
     with failing_cleanly():
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
-            os.makedirs(tmp)
+        failure = None
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+                os.makedirs(tmp)
+        except OSError as e:
+            failure = e
         _barrier()
-        _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
-        if rank == 0:
-            _write(os.path.join(tmp, "config.json"), config_text)
-            _write(os.path.join(tmp, "state.json"), state_text)
+        try:
+            _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
+            if rank == 0:
+                _write(os.path.join(tmp, "config.json"), config_text)
+                _write(os.path.join(tmp, "state.json"), state_text)
+        except OSError as e:
+            failure = failure or e
+        _raise_any(failure, world)  # before DCP's collectives
 
     def commit():
         _barrier()  # every rank has written all of its files
+        failure = None
         if rank == 0:
-            _write(os.path.join(tmp, MARKER), f"{step}\n")
-            if os.path.isdir(final):  # an earlier save of the same step
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
-            os.fsync(fd)
-            os.close(fd)
-            _prune(ckpt_root, keep, step)
-        _barrier()  # no rank moves on before the checkpoint is complete for all
+            try:
+                _write(os.path.join(tmp, MARKER), f"{step}\n")
+                if os.path.isdir(final):  # an earlier save of the same step
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
+                os.fsync(fd)
+                os.close(fd)
+                _prune(ckpt_root, keep, step)
+            except OSError as e:
+                failure = e
+        _raise_any(failure, world)  # no rank moves on before the checkpoint is complete for all
 
     if not async_save:
         with failing_cleanly():
@@ -486,6 +497,17 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     wait.done = future.done
     _pending.append(wait)
     return wait
+
+
+def _raise_any(failure: OSError | None, world: int):
+    """Every rank raises the first rank's failure, if any rank had one: all of them give up together, and none is
+    left waiting in a collective the others skipped. A barrier otherwise."""
+    failures = [failure] * world
+    if world > 1:
+        dist.all_gather_object(failures, failure)
+    failed = next((f for f in failures if f is not None), None)
+    if failed is not None:
+        raise failed
 
 
 def _errno(e: BaseException) -> int | None:
@@ -510,8 +532,10 @@ _complete.done = lambda: True
 
 
 def _run_id(path: str):
-    with contextlib.suppress(OSError, ValueError):
+    try:
         return _read_json(path, "config.json").get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def _prune(ckpt_root: str, keep: int, step: int):
