@@ -497,7 +497,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     if tc.resume == "auto":
         return tc, root if checkpoint.latest(root) else None
     resume_from = None if tc.resume == "none" else tc.resume
-    if resume_from and os.path.abspath(resume_from).startswith(os.path.join(os.path.abspath(root), "")):
+    as_dir = lambda path: os.path.join(os.path.abspath(path), "")  # noqa: E731  (a prefix of every path inside)
+    if resume_from and as_dir(resume_from).startswith(as_dir(root)):
         return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
     present = [name for name in RUN_FILES if os.path.exists(os.path.join(tc.out_dir, name))]
     if present and not tc.overwrite:
