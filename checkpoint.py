@@ -21,16 +21,18 @@ mid-save leaves the previous checkpoint as the newest complete one.
     python checkpoint.py export out/ckpt/step_00000010 out/hf
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
-    from checkpoint import save, load, latest, export_hf, load_hf, load_hf_into
+    from checkpoint import save, load, latest, load_latest, export_hf, load_hf, load_hf_into
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     wait()                                                   # on every rank, before the next save and at exit
     train_state = load(latest("out/ckpt"), {"model": model, "optim": optim}, config)
+    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim}, config)  # skips damaged ones
     cfg, state_dict = load_hf("out/hf")                      # our ModelConfig and a state dict for Transformer(cfg)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 """
 
 import argparse
 import base64
+import errno
 import json
 import os
 import random
@@ -46,6 +48,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -253,6 +256,63 @@ def latest(ckpt_root: str) -> str | None:
     return complete[-1].path if complete else None
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint marked complete whose files are missing, truncated or unreadable; the message names the file."""
+
+
+class SaveFailed(RuntimeError):
+    """A save that could not be written (the message says why); its partial files are removed, the previous
+    checkpoint stays the newest complete one."""
+
+
+def verify(path: str):
+    """Check that the files of complete checkpoint `path` are all there and whole: .metadata, every .distcp file as
+    long as the tensors it holds, config.json, state.json and each rank's rng file parse. Raises CorruptCheckpoint
+    naming the first bad file; reads no tensor data."""
+    def bad(name: str, why: str):
+        return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
+
+    def read(name: str) -> dict:
+        try:
+            return _read_json(path, name)
+        except FileNotFoundError:
+            raise bad(name, "is missing") from None
+        except ValueError:
+            raise bad(name, "is not valid JSON (truncated?)") from None
+
+    read("config.json")
+    for r in range(read("state.json").get("world_size", 1)):
+        read(f"rng_{r:05d}.json")
+    try:
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except FileNotFoundError:
+        raise bad(".metadata", "is missing") from None
+    except Exception:
+        raise bad(".metadata", "cannot be read (truncated?)") from None
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        if have is None or have < size:
+            raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
+
+
+def load_latest(ckpt_root: str, state: dict, config=None, say=print) -> tuple[str | None, dict | None]:
+    """load() the newest complete checkpoint under ckpt_root that loads, newest first: a damaged one is skipped with
+    a line saying which and why. (None, None) when there is none; raises CorruptCheckpoint when none loads."""
+    complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete]
+    for path in complete:
+        try:
+            return path, load(path, state, config)
+        except CorruptCheckpoint as e:
+            say(f"{e} Skipping it, trying the previous checkpoint.")
+    if complete:
+        raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads (see "
+                                f"above); start again with --resume=none --overwrite, or restore the files.")
+    return None, None
+
+
 def _resolve(path: str) -> str:
     """A complete checkpoint directory: `path` itself, or the newest complete one when `path` is a root."""
     if os.path.isfile(os.path.join(path, MARKER)):
@@ -356,9 +416,11 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     Returns a callable that waits for the write and marks the checkpoint complete; every rank must call it before
     the next save and before exiting (a synchronous save is complete already and the callable does nothing). Its
     .done() says whether this rank's write has finished, so a loop can mark the checkpoint complete as soon as every
-    rank's has, without waiting."""
+    rank's has, without waiting. A write that fails (a full disk) raises SaveFailed, here or from the callable,
+    after removing its partial files; the previous checkpoint stays the newest. Pruning spares other runs'
+    checkpoints: those whose config "run_id" differs from this one's."""
     while _pending:  # a forgotten wait() of the previous async save
-        _pending.pop()()
+        _pending[0]()
     rank, world = _rank_world()
     model, optim = state["model"], state.get("optim")
     # Bad input fails here, on every rank, before any collective (STYLE 6).
@@ -370,44 +432,100 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
-        os.makedirs(tmp)
-    _barrier()
-    _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
-    if rank == 0:
-        _write(os.path.join(tmp, "config.json"), config_text)
-        _write(os.path.join(tmp, "state.json"), state_text)
+
+    @contextmanager
+    def failing_cleanly():
+        """A write that fails (a full disk) becomes one SaveFailed sentence; its partial files are removed."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = latest(ckpt_root)
+            why = (f"no space left on {ckpt_root}" if _errno(e) == errno.ENOSPC
+                   else f"writing {tmp} failed ({_first_failure(e)})")
+            raise SaveFailed(f"{why}: checkpoint step_{step:08d} not written (its partial files are removed); the "
+                             f"newest checkpoint is still {previous or 'none'}.") from None
+
+    with failing_cleanly():
+        failure = None
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+                os.makedirs(tmp)
+        except OSError as e:
+            failure = e
+        _barrier()
+        try:
+            _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
+            if rank == 0:
+                _write(os.path.join(tmp, "config.json"), config_text)
+                _write(os.path.join(tmp, "state.json"), state_text)
+        except OSError as e:
+            failure = failure or e
+        _raise_any(failure, world)  # before DCP's collectives
 
     def commit():
         _barrier()  # every rank has written all of its files
+        failure = None
         if rank == 0:
-            _write(os.path.join(tmp, MARKER), f"{step}\n")
-            if os.path.isdir(final):  # an earlier save of the same step
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
-            os.fsync(fd)
-            os.close(fd)
-            _prune(ckpt_root, keep, step)
-        _barrier()  # no rank moves on before the checkpoint is complete for all
+            try:
+                _write(os.path.join(tmp, MARKER), f"{step}\n")
+                if os.path.isdir(final):  # an earlier save of the same step
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
+                os.fsync(fd)
+                os.close(fd)
+                _prune(ckpt_root, keep, step)
+            except OSError as e:
+                failure = e
+        _raise_any(failure, world)  # no rank moves on before the checkpoint is complete for all
 
     if not async_save:
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=world == 1 and not dist.is_initialized())
-        commit()
+        with failing_cleanly():
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=world == 1 and not dist.is_initialized())
+            commit()
         return _complete
     group = _async_group()
-    future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    with failing_cleanly():
+        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
 
     def wait():
         if wait in _pending:
             _pending.remove(wait)
-            future.result()
-            commit()
+            with failing_cleanly():
+                future.result()
+                commit()
 
     wait.done = future.done
     _pending.append(wait)
     return wait
+
+
+def _raise_any(failure: OSError | None, world: int):
+    """Every rank raises the first rank's failure, if any rank had one: all of them give up together, and none is
+    left waiting in a collective the others skipped. A barrier otherwise."""
+    failures = [failure] * world
+    if world > 1:
+        dist.all_gather_object(failures, failure)
+    failed = next((f for f in failures if f is not None), None)
+    if failed is not None:
+        raise failed
+
+
+def _errno(e: BaseException) -> int | None:
+    """The errno of an OSError, also when DCP wrapped it (a CheckpointException holds each rank's exception)."""
+    if isinstance(e, CheckpointException):
+        return next((_errno(exc) for exc, _ in e.failures.values() if _errno(exc) is not None), None)
+    return getattr(e, "errno", None)
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for an exception, DCP's per-rank CheckpointException included (its str is every rank's traceback)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
 def _complete():
@@ -417,11 +535,20 @@ def _complete():
 _complete.done = lambda: True
 
 
+def _run_id(path: str):
+    try:
+        return _read_json(path, "config.json").get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
 def _prune(ckpt_root: str, keep: int, step: int):
-    """Delete complete checkpoints beyond the newest `keep` and the leftovers of killed saves older than `step`;
-    never the checkpoint just written, never a newer save in progress."""
+    """Delete complete checkpoints of the same run (the same config "run_id" as the one just written) beyond the
+    newest `keep`, and the leftovers of killed saves older than `step`; never the checkpoint just written, never a
+    newer save in progress, never another run's checkpoint."""
     entries = _scan(ckpt_root)
-    complete = [e for e in entries if e.complete and e.step != step]
+    run = _run_id(os.path.join(ckpt_root, f"step_{step:08d}"))
+    complete = [e for e in entries if e.complete and e.step != step and _run_id(e.path) == run]
     doomed = complete[:max(0, len(complete) - (keep - 1))] if keep > 0 else []
     doomed += [e for e in entries if e.tmp and e.step < step]
     for e in doomed:
@@ -444,6 +571,7 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     RNG: rank r restores the states rank r % saved_world_size saved, so the same world size resumes every stream
     exactly and a single process resumes rank 0's."""
     path = _resolve(path)
+    verify(path)
     rank, world = _rank_world()
     saved_config = _read_json(path, "config.json")
     saved_state = _read_json(path, "state.json")
@@ -475,7 +603,11 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
         raise ValueError(f"checkpoint {path} holds tensors of other shapes ({'; '.join(wrong[:3])}); "
                          f"resume with the checkpoint's model config.")
 
-    dcp.load(tensors, checkpoint_id=path, no_dist=world == 1 and not dist.is_initialized())
+    try:
+        dcp.load(tensors, checkpoint_id=path, no_dist=world == 1 and not dist.is_initialized())
+    except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
+        raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
+                                f"({_first_failure(e)}).") from None
     if optim is None:
         set_model_state_dict(model, tensors["model"], options=_OPTIONS)
     else:

@@ -549,6 +549,7 @@ class DataLoader:
             raise DataError(f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
         self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
         self.rank, self.world_size, self.seed, self.step = rank, world_size, seed, 0
+        self.vocab_size = vocab_size
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
         if vocab_size is not None and (manifest["vocab_size"] > vocab_size or max_token >= vocab_size):
@@ -600,6 +601,11 @@ class DataLoader:
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
         start = (sequence - self.first_window[shard]) * T
         rows_BT = np.stack([self._shard(int(k))[s:s + T + 1] for k, s in zip(shard, start)]).astype(np.int64)
+        if self.vocab_size is not None and rows_BT.max() >= self.vocab_size:  # a shard changed after its manifest
+            b, t = np.unravel_index(rows_BT.argmax(), rows_BT.shape)
+            raise DataError(f"{self.split} shard {os.path.join(self.data_dir, self.shards[shard[b]]['file'])} holds "
+                            f"token id {rows_BT[b, t]} (at token {start[b] + t}), beyond the model's vocab_size="
+                            f"{self.vocab_size}; prepare the data again (python data.py) or raise vocab_size")
         tokens_BT, targets_BT = torch.from_numpy(rows_BT[:, :-1].copy()), torch.from_numpy(rows_BT[:, 1:].copy())
         # a token's document is the number of end-of-texts before it, so an EOT belongs to the document it ends
         is_eot_BT = (tokens_BT == self.eot_id).long()

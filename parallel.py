@@ -134,11 +134,24 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device,
+                                **_restart_store(rank, world, timeout_s))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **_restart_store(rank, world, timeout_s))
     return rank, world, device
+
+
+def _restart_store(rank: int, world: int, timeout_s: int) -> dict:
+    """init_process_group's store under torchrun: torch >= 2.5 keeps torchrun's one store across restarts
+    (pytorch/pytorch#135712), so restarted workers would read the dead workers' addresses and fail to connect; each
+    restart attempt gets its own key prefix instead. Empty (the env:// default) outside torchrun's shared store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def destroy():

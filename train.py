@@ -13,19 +13,21 @@ counts of the whole global batch (SPEC §4). Logs go to the console, to OUT_DIR/
 --log_to=tensorboard,wandb, to TensorBoard and Weights & Biases.
 
 Under `torchrun --max-restarts=N`, a job whose rank dies restarts and resumes from the newest complete checkpoint by
-itself (--resume=auto). Launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch >= 2.5 keeps torchrun's store
-across restarts, where a restarted rank can read a dead one's address and fail to connect (pytorch/pytorch#135712).
+itself (--resume=auto). A new run refuses an OUT_DIR that holds another run unless told to continue it (--resume=auto)
+or replace it (--overwrite).
 """
 
 import argparse
 import contextlib
 import dataclasses
 import difflib
+import errno
 import faulthandler
 import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -59,7 +61,8 @@ class TrainConfig:
     # batch and schedule
     steps: int = _flag(150, "optimizer steps")
     global_batch: int = _flag(8, "sequences per optimizer step, whatever the number of ranks")
-    micro_batch: int = _flag(8, "sequences per rank per forward; accumulation steps are derived")
+    micro_batch: int = _flag(0, "sequences per rank per forward; accumulation steps are derived (0: global_batch / "
+                                "world size, no accumulation)")
     lr: float = _flag(5e-3, "peak learning rate")
     min_lr_ratio: float = _flag(0.1, "final LR as a fraction of the peak")
     warmup_steps: int = _flag(20, "linear warmup steps")
@@ -103,11 +106,17 @@ class TrainConfig:
     peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
     sample_tokens: int = _flag(48, "tokens sampled from a prompt at the end (0: none)")
     # checkpoints and fault tolerance (checkpoint.py)
-    ckpt_every: int = _flag(0, "checkpoint every N steps (0: only at the end and on preemption)")
-    keep_ckpts: int = _flag(3, "keep the newest K complete checkpoints")
+    ckpt_every: int = _flag(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)")
+    ckpt_minutes: float = _flag(30.0, "also checkpoint when this many minutes have passed since the last one (0: off)")
+    keep_ckpts: int = _flag(3, "keep the newest K complete checkpoints of this run")
     async_ckpt: bool = _flag(True, "write checkpoints in the background while training continues")
-    resume: str = _flag("auto", "auto: continue from the newest complete checkpoint in OUT_DIR/checkpoints; "
-                                "none: start fresh; or a checkpoint directory")
+    resume: str = _flag("auto", "auto: continue from the newest complete checkpoint in OUT_DIR/checkpoints that "
+                                "loads; none: start fresh; or a checkpoint directory")
+    overwrite: bool = _flag(False, "a run that does not continue OUT_DIR's run deletes that run's checkpoints, "
+                                   "metrics.jsonl and config.json (without it, such a run is refused)")
+    resume_schedule: str = _flag("keep", "when --steps differs from the steps a resumed checkpoint's LR schedule was "
+                                         "laid over: keep (that schedule, then its final LR) | stretch (lay the "
+                                         "schedule again over --steps)")
     init_from_hf: str = _flag("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
     step_timeout: float = _flag(600.0, "watchdog: dump stacks and exit non-zero if no step completes in this many "
                                        "seconds (0: off); also the collective timeout")
@@ -149,7 +158,9 @@ FLAG_RANGES = [
     ("eval_batches", lambda v: v >= 1, "at least 1"),
     ("peak_tflops", lambda v: v >= 0, "0 (from the device table) or more"),
     ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
-    ("ckpt_every", lambda v: v >= 0, "0 (only at the end) or more"),
+    ("micro_batch", lambda v: v >= 0, "0 (global_batch / world size) or more"),
+    ("ckpt_every", lambda v: v >= 0, "0 (only by time, at the end and on preemption) or more"),
+    ("ckpt_minutes", lambda v: v >= 0, "0 (off) or more"),
     ("keep_ckpts", lambda v: v >= 1, "at least 1"),
     ("step_timeout", lambda v: v >= 0, "0 (off) or more"),
     ("max_bad_steps", lambda v: v >= 1, "at least 1"),
@@ -169,12 +180,32 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+# Names other trainers (nanoGPT, torchtitan, Hugging Face) give to this file's flags, for "did you mean".
+OTHER_NAMES = {"learning_rate": "lr", "max_iters": "steps", "max_steps": "steps", "lr_decay_iters": "steps",
+               "training.steps": "steps", "num_train_steps": "steps", "batch_size": "global_batch",
+               "global_batch_size": "global_batch", "training.global_batch_size": "global_batch",
+               "local_batch_size": "micro_batch", "training.local_batch_size": "micro_batch",
+               "micro_batch_size": "micro_batch", "per_device_train_batch_size": "micro_batch",
+               "gradient_accumulation_steps": "micro_batch", "block_size": "seq_len", "training.seq_len": "seq_len",
+               "warmup_iters": "warmup_steps", "lr_scheduler.warmup_steps": "warmup_steps", "min_lr": "min_lr_ratio",
+               "eval_interval": "eval_every", "eval_iters": "eval_batches", "log_interval": "log_every",
+               "metrics.log_freq": "log_every", "grad_clip_norm": "grad_clip", "max_norm": "grad_clip",
+               "training.max_norm": "grad_clip", "checkpoint.interval": "ckpt_every", "save_steps": "ckpt_every",
+               "checkpoint.keep_latest_k": "keep_ckpts", "init_from": "resume", "dataset": "data",
+               "data_dir": "data", "output_dir": "out_dir", "job.dump_folder": "out_dir", "n_layer": "n_layers",
+               "n_head": "n_heads", "n_embd": "dim", "training.compile": "compile",
+               "parallelism.expert_parallel_degree": "ep", "parallelism.data_parallel_replicate_degree":
+               "dp_replicate", "activation_checkpoint.mode": "ac", "optimizer.lr": "lr", "optimizer.name": "optimizer"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         flags = [a for action in self._actions for a in action.option_strings]
         for word in ([] if message.startswith("argument ") else message.replace(",", " ").split()):
             if word.startswith("--") and word.split("=")[0] not in flags:
-                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.5)
+                other = OTHER_NAMES.get(word.split("=")[0][2:].replace("-", "_"))
+                close = [f"--{other}"] if other else difflib.get_close_matches(word.split("=")[0], flags, n=1,
+                                                                               cutoff=0.5)
                 if close:
                     message = f"unknown flag {word.split('=')[0]}; did you mean {close[0]}?"
                     break
@@ -215,17 +246,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
                           ("balance", ("smebu", "sign", "none")), ("ac", ("none", "full", "selective")),
                           ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon")),
-                          ("wandb_mode", ("auto", "online", "offline", "disabled"))):
+                          ("wandb_mode", ("auto", "online", "offline", "disabled")),
+                          ("resume_schedule", ("keep", "stretch"))):
         if getattr(tc, name) not in allowed:
             parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
-    return tc, overrides
+    return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
+
+
+def with_batch_defaults(tc: TrainConfig, world: int) -> TrainConfig:
+    """--micro_batch=0: each rank's whole share of the global batch in one forward (no accumulation), so the default
+    batch works on any world size that divides it."""
+    return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
 
 
 def read_config(path: str, kinds: dict) -> dict:
     """The flag values a config file sets, parsed as the command line parses them. The file is a run's config.json
-    ({"train": ..., "model": ..., "world_size": ..., "tokenizer": ...}; the world size and the data's tokenizer are
-    recorded facts, not read) or
-    TOML (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
+    ({"train": ..., "model": ...} and facts of that run: world size, tokenizer, run id, which are not read) or TOML
+    (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
     vocab_size and max_seq_len included, so replaying it builds that model again whatever the preset now says.
     Raises ValueError, one sentence, for a missing or unreadable file, an unknown key or a value of the wrong type."""
     toml = path.endswith(".toml")
@@ -244,7 +281,7 @@ def read_config(path: str, kinds: dict) -> dict:
     for key, value in raw.items():
         if key in ("train", "model") and isinstance(value, dict):
             entries.update({f"{key}.{k}": v for k, v in value.items()})
-        elif key not in ("world_size", "tokenizer"):  # what the run found, not flags: the launcher's and the data's
+        elif key not in ("world_size", "tokenizer", "run_id"):  # facts of the run that wrote it, not flags
             entries[key] = value
     values = {}
     for key, value in entries.items():
@@ -289,6 +326,22 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     if tc.decay == "linear":
         return tc.lr - (tc.lr - floor) * progress
     return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(tc: TrainConfig, schedule_steps: int, say) -> TrainConfig:
+    """The config whose LR schedule a resumed run follows (lr_at(min(step, steps - 1), ...)), said when --steps
+    differs from the steps the checkpoint's schedule was laid over: keep that schedule and hold its final LR past its
+    end, or stretch it over the new --steps (the LR jumps onto the new curve)."""
+    if schedule_steps == tc.steps:
+        return tc
+    kept = dataclasses.replace(tc, steps=schedule_steps)
+    if tc.resume_schedule == "keep":
+        say(f"LR schedule: the checkpoint's, laid over {schedule_steps} steps, then its final LR "
+            f"{lr_at(schedule_steps - 1, kept):.2e} (--resume_schedule=keep; stretch lays it over --steps={tc.steps})")
+        return kept
+    say(f"LR schedule: laid again over --steps={tc.steps}, not the checkpoint's {schedule_steps} steps "
+        f"(--resume_schedule=stretch; keep holds the checkpoint's)")
+    return tc
 
 
 # Dense bf16 peaks (SPEC §7). B300's gains are in FP4, not bf16.
@@ -503,15 +556,19 @@ class MetricsSinks:
 # --- fault tolerance: preemption signals and a hang watchdog
 
 class Preemption:
-    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) set a flag; the loop finishes the step in flight, every
-    rank agrees (one all-reduce), writes a checkpoint and exits 0."""
+    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set a flag; the loop finishes the
+    step in flight, every rank agrees (one all-reduce), writes a checkpoint and exits 0. A second Ctrl-C stops at
+    once."""
 
     def __init__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        self.requested, self.interrupted = False, False
+        self.previous = {sig: signal.signal(sig, self._handle)
+                         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if signum == signal.SIGINT and self.interrupted:
+            raise KeyboardInterrupt
+        self.requested, self.interrupted = True, self.interrupted or signum == signal.SIGINT
 
     def close(self):
         """Give the signals back to their previous handlers (train.main may run inside another program)."""
@@ -551,6 +608,132 @@ class Watchdog:
                 os._exit(3)
 
 
+# --- the run's output directory: one run per OUT_DIR, checked before anything heavy
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json")
+
+
+def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
+    """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another
+    run there: only --resume=auto or a checkpoint of OUT_DIR's own continues it, --overwrite replaces it (rank 0
+    deletes its files). A job torchrun restarted continues what its first attempt wrote (--resume=auto). Returns
+    the config and what to resume from: a checkpoint, OUT_DIR's checkpoint root (auto), or None (fresh)."""
+    try:
+        os.makedirs(tc.out_dir, exist_ok=True)
+        if not os.access(tc.out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
+                         f"user can create and write.") from None
+    root = os.path.join(tc.out_dir, "checkpoints")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and checkpoint.latest(root):
+        tc = dataclasses.replace(tc, resume="auto")
+    if tc.resume == "auto":
+        return tc, root if checkpoint.latest(root) else None
+    resume_from = None if tc.resume == "none" else tc.resume
+    as_dir = lambda path: os.path.join(os.path.abspath(path), "")  # noqa: E731  (a prefix of every path inside)
+    if resume_from and as_dir(resume_from).startswith(as_dir(root)):
+        return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
+    present = [name for name in RUN_FILES if os.path.exists(os.path.join(tc.out_dir, name))]
+    if present and not tc.overwrite:
+        raise ValueError(f"--out_dir={tc.out_dir} holds another run ({', '.join(present)}), which a new run would mix "
+                         f"with or delete; continue it with --resume=auto, choose a new --out_dir, or pass --overwrite "
+                         f"to replace it.")
+    if present and master:
+        shutil.rmtree(root, ignore_errors=True)
+        for name in RUN_FILES[1:]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(tc.out_dir, name))
+    return tc, resume_from
+
+
+def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: dict, resolved: dict,
+           say) -> TrainConfig:
+    """Load the checkpoint to continue from into the model, optimizer, loader and `state` (--resume=auto: the
+    newest under OUT_DIR that loads), and set the run's id in `resolved` (the checkpoint's, or a new one: a run
+    prunes only its own checkpoints). Returns the config whose LR schedule the run follows (lr_schedule)."""
+    targets = {"model": model, "optim": optimizer}
+    if resume_from and tc.resume == "auto":
+        resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
+    else:
+        saved = checkpoint.load(resume_from, targets, config=resolved) if resume_from else None
+    if saved is None:
+        resolved["run_id"] = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        return tc
+    state.update(step=saved["step"], skipped=saved["skipped"])
+    state["momentum"].copy_(torch.as_tensor(saved["momentum"]))
+    loader.load_state_dict(saved["data"])
+    resolved["run_id"] = saved.get("run_id")
+    say(f"resumed from {resume_from} at step {state['step']}")
+    return lr_schedule(tc, saved.get("schedule_steps", tc.steps), say)
+
+
+def start_run_files(out_dir: str, resolved: dict, step: int):
+    """Rank 0, once the run is sure to train: config.json, and metrics.jsonl cut after `step`, where the run goes on
+    (a resumed run logs the later steps again, and a record cut short by a crash is dropped)."""
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(resolved, f, indent=1)
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if _logged_step(line) <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+class Checkpointer:
+    """Writes the run's checkpoints (every --ckpt_every steps or --ckpt_minutes, at the end, on preemption) and says
+    when each is complete and how long it took. A write that fails (a full disk) is said in one line and removed,
+    the previous checkpoint stays the newest, and the run goes on; the final one's failure is kept in `lost`."""
+
+    def __init__(self, tc: TrainConfig, root: str, train_state, targets: dict, resolved: dict, say):
+        self.tc, self.root, self.train_state, self.targets, self.resolved, self.say = (tc, root, train_state, targets,
+                                                                                       resolved, say)
+        self.pending, self.lost, self.last_time, self.step, self.final = None, None, time.time(), 0, False
+
+    def clock_due(self) -> bool:
+        return bool(self.tc.ckpt_minutes) and time.time() - self.last_time >= 60 * self.tc.ckpt_minutes
+
+    def writing(self) -> bool:
+        return self.pending is not None and not self.pending.done()
+
+    def save(self, step: int, final: bool):
+        self.complete()  # the previous asynchronous write must be complete before the next one starts
+        self.step, self.final, self.last_time = step, final, time.time()
+        try:
+            self.pending = checkpoint.save(self.root, step, {**self.targets, "train": self.train_state(step)},
+                                           self.resolved, keep=self.tc.keep_ckpts, async_save=self.tc.async_ckpt)
+        except checkpoint.SaveFailed as e:
+            return self._failed(e)
+        if not self.tc.async_ckpt:
+            self.complete()
+
+    def complete(self):
+        """Wait for the write in flight, if any, and mark its checkpoint complete."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending()
+        except checkpoint.SaveFailed as e:
+            return self._failed(e)
+        self.say(f"checkpoint step_{self.step:08d} complete, {time.time() - self.last_time:.1f}s after it began")
+
+    def _failed(self, e: checkpoint.SaveFailed):
+        if self.final:
+            self.lost = e  # nothing follows to go on with: main raises it once the run is wound up
+        else:
+            self.say(f"{e} Training goes on.")
+
+
 # --- the run
 
 def autocast_for(tc: TrainConfig, device: torch.device):
@@ -564,6 +747,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
     master = rank == 0
     say = print if master else (lambda *a, **k: None)
+    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), master)
     torch.manual_seed(tc.seed)
     autocast, dtype = autocast_for(tc, device)
     ckpt_root = os.path.join(tc.out_dir, "checkpoints")
@@ -617,25 +801,16 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     layers = moe_layers(model)
     state = {"step": 0, "momentum": torch.zeros(len(layers), cfg.n_experts, device=device), "skipped": 0,
              "bad_steps": 0}
-    resume_from = {"auto": checkpoint.latest(ckpt_root), "none": None}.get(tc.resume, tc.resume)
-    if resume_from:
-        saved = checkpoint.load(resume_from, {"model": model, "optim": optimizer}, config=resolved)
-        state.update(step=saved["step"], skipped=saved["skipped"])
-        state["momentum"].copy_(torch.as_tensor(saved["momentum"]))
-        loader.load_state_dict(saved["data"])
-        say(f"resumed from {resume_from} at step {state['step']}")
-    if master:  # after the resume check, so a refused resume leaves the run's config.json alone
-        os.makedirs(tc.out_dir, exist_ok=True)
-        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
-            json.dump(resolved, f, indent=1)
-
-    def save(step: int, pending):
-        if pending:
-            pending()  # the previous asynchronous write must be complete before the next one starts
-        train_state = {"step": step, "skipped": state["skipped"], "momentum": state["momentum"].cpu(),
-                       "data": loader.state_dict()}
-        return checkpoint.save(ckpt_root, step, {"model": model, "optim": optimizer, "train": train_state},
-                               resolved, keep=tc.keep_ckpts, async_save=tc.async_ckpt)
+    schedule = resume(resume_from, tc, model, optimizer, loader, state, resolved, say)
+    if state["step"] >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
+        say(f"already at step {state['step']} of {tc.steps}; pass a larger --steps to train further")
+        return {"first_loss": None, "loss": None, "val_loss": None, "step": state["step"]}
+    if master:
+        start_run_files(tc.out_dir, resolved, state["step"])
+    ckpt = Checkpointer(tc, ckpt_root, lambda step: {
+        "step": step, "skipped": state["skipped"], "momentum": state["momentum"].cpu(),
+        "data": loader.state_dict(), "run_id": resolved["run_id"], "schedule_steps": schedule.steps},
+        {"model": model, "optim": optimizer}, resolved, say)
 
     # --- loop
     peak = peak_tflops(device, tc.peak_tflops)
@@ -643,12 +818,12 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     sinks = MetricsSinks(tc, resolved, state["step"], master)
     preemption, watchdog = Preemption(), Watchdog(tc.step_timeout)
-    first_loss = val_loss = out = pending = None
+    first_loss = val_loss = out = None
     t_start = t_last = time.time()
     steps_since_log, start_step = 0, state["step"]
     for step in range(start_step, tc.steps):
         state["step"] = step
-        lr = lr_at(step, tc)
+        lr = lr_at(min(step, schedule.steps - 1), schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
         if step == tc.stall_at_step and restart == 0:  # drill: a hung step, for the watchdog
@@ -656,12 +831,12 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         batch = loader.batch(step)
         out = train_step(model, optimizer, batch, tc, autocast, state, poison=step == tc.nan_at_step)
         # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write still in flight
-        # on any rank, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl).
-        preempted, writing, tokens_sum = global_sums(device, preemption.requested,
-                                                     pending is not None and not pending.done(), batch[0].sum().item())
-        if pending and not writing:  # every rank has written the last checkpoint: mark it complete now, not at the
-            pending()                # next save, so a crash loses at most ckpt_every steps
-            pending = None
+        # on any rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of
+        # the data stream, for metrics.jsonl).
+        preempted, writing, clock_due, tokens_sum = global_sums(device, preemption.requested, ckpt.writing(),
+                                                                master and ckpt.clock_due(), batch[0].sum().item())
+        if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
+            ckpt.complete()  # so a crash loses at most ckpt_every steps
         loader.step = step + 1
         watchdog.beat(step + 1)
         steps_since_log += 1
@@ -702,16 +877,16 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             sinks.write(record)
-        if last or preempted or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
-            pending = save(step + 1, pending)
+        if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
+            ckpt.save(step + 1, final=last or preempted)
         if preempted:
-            say(f"preempted: checkpoint written at step {step + 1}; exiting")
+            say(f"{'interrupted' if preemption.interrupted else 'preempted'}: checkpoint written at step {step + 1}; "
+                f"exiting")
             break
         if step + 1 == tc.crash_at_step and restart == 0 and rank == world - 1:  # drill: a rank dies
             print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
-    if pending:
-        pending()
+    ckpt.complete()
 
     # --- summary and a sample
     elapsed = time.time() - t_start
@@ -732,13 +907,21 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     watchdog.stop()
     preemption.close()
     sinks.close()
+    if ckpt.lost:
+        raise ckpt.lost
     return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
 
 
 if __name__ == "__main__":
     try:
         main(*parse_args())
-    except (data.DataError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed) as e:
+        # A bad flag or layout fails alike on every rank: rank 0 says it. Data can be one rank's own (a bad token in
+        # its rows): every rank says its own.
+        if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1 if isinstance(e, checkpoint.SaveFailed) else 2)
+    except KeyboardInterrupt:  # before the loop (nothing to save yet), or a second Ctrl-C
+        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+        sys.exit(130)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

@@ -327,6 +327,41 @@ def test_two_fsdp_ranks_reshard_to_one_process(tmp_path):
             assert torch.equal(v, ref["optim"][n][k]), (n, k)
 
 
+def disk_full_worker(out_dir):
+    """2 gloo ranks: rank 0 finds the disk full writing state.json of step 1; both ranks must give the save up
+    together (no rank left in DCP's collectives), then both save step 2."""
+    import errno
+
+    dist.init_process_group("gloo")
+    rank, model, write = dist.get_rank(), nn.Linear(4, 4), checkpoint._write
+
+    def disk_full_on_rank_0(path, text):
+        if rank == 0 and path.endswith("state.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, text)
+
+    checkpoint._write = disk_full_on_rank_0
+    try:
+        save(os.path.join(out_dir, "ckpt"), 1, {"model": model}, {})
+    except checkpoint.SaveFailed as e:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(str(e))
+    checkpoint._write = write
+    save(os.path.join(out_dir, "ckpt"), 2, {"model": model}, {})
+
+
+def test_disk_full_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "disk-full", str(tmp_path)]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == (
+            f"no space left on {tmp_path / 'ckpt'}: checkpoint step_00000001 not written (its partial files are "
+            f"removed); the newest checkpoint is still none.")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
+
+
 # --- Hugging Face export and import
 
 def test_export_loads_in_transformers_with_same_logits(tmp_path):
@@ -416,4 +451,4 @@ def test_cli(tmp_path, capsys):
         assert says in err and len(err.strip().splitlines()) == 1
 
 if __name__ == "__main__":
-    run_worker({"fsdp": fsdp_worker, "save-loop": save_loop}[sys.argv[1]], sys.argv[2])
+    run_worker({"fsdp": fsdp_worker, "save-loop": save_loop, "disk-full": disk_full_worker}[sys.argv[1]], sys.argv[2])

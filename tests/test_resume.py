@@ -32,9 +32,8 @@ from conftest import TINY_MODEL_FLAGS
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
-# torch >= 2.5 shares torchrun's rendezvous TCPStore with the workers and keeps it across restarts, so a restarted
-# worker can read a dead one's address and fail to connect (pytorch/pytorch#135712); this opts out of the sharing.
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun restarts must work as the README launches them.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 FOUR_RANKS = ["--dp_replicate=2", "--ep=2", "--micro_batch=1"]  # world 4: HSDP 2 x 2 with the experts split over 2
 # The 100k-token vocabulary makes the embedding and head most of the model: half the width halves the bytes every
 # step gathers and every checkpoint writes.
@@ -99,7 +98,7 @@ def rows(out_dir) -> list[dict]:
 
 
 def last_rows(out_dir) -> dict[int, dict]:
-    """The last row logged for each step: a resumed run logs again the steps after its checkpoint."""
+    """The row logged for each step."""
     return {r["step"]: r for r in rows(out_dir)}
 
 
@@ -140,8 +139,8 @@ def test_crash_restart_resumes_bitwise(reference, corpus_dir, tmp_path):
     assert f"resumed from {out}/checkpoints/step_00000010 at step 10" in stdout
     ref = last_rows(reference)
     logged = rows(out)
-    assert [r["step"] for r in logged] == [*range(1, 13), *range(11, 21)]
-    for r in logged:  # steps 11 and 12 twice, before and after the crash: both times the reference's values
+    assert [r["step"] for r in logged] == list(range(1, 21))  # steps 11 and 12 of before the crash were dropped
+    for r in logged:
         assert {k: r[k] for k in EXACT} == {k: ref[r["step"]][k] for k in EXACT}, r["step"]
     # The final model, optimizer moments, expert biases and balancing momentum are bit for bit the reference's.
     final_ref, final = reference / "checkpoints" / "step_00000020", out / "checkpoints" / "step_00000020"
@@ -149,7 +148,8 @@ def test_crash_restart_resumes_bitwise(reference, corpus_dir, tmp_path):
     assert want.keys() == got.keys() and any(k.startswith("optim.") for k in got)
     for k in want:
         assert torch.equal(want[k], got[k]), k
-    assert train_state(str(final)) == train_state(str(final_ref))
+    assert ({k: v for k, v in train_state(str(final)).items() if k != "run_id"} ==  # each launch is its own run
+            {k: v for k, v in train_state(str(final_ref)).items() if k != "run_id"})
 
 
 # --- resharding: a 4-rank checkpoint resumed on 2 ranks and on 1 process
@@ -254,7 +254,7 @@ def test_watchdog_dumps_stacks_and_exits_3(corpus_dir, tmp_path):
 def test_main_inside_a_program_leaves_no_watchdog_or_signal_handlers(corpus_dir, tmp_path):
     """train.main called from another program (a test, a notebook) gives the signals back and stops its watchdog,
     which would otherwise end that program with exit code 3 once step_timeout passes; also when the run fails."""
-    signals = (signal.SIGTERM, signal.SIGUSR1)
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     before = [signal.getsignal(s) for s in signals]
     with pytest.raises(RuntimeError, match="non-finite steps in a row"):
         train.main(*train.parse_args(args(corpus_dir, tmp_path, "--steps=2", "--nan_at_step=0", "--max_bad_steps=1")))

@@ -1,0 +1,287 @@
+"""A training run's lifecycle: what a new, resumed, finished, interrupted or failing run does with OUT_DIR.
+
+    python -m pytest tests/test_lifecycle.py -q
+
+Each test runs train.py as a user would (in this process, or launched for signals and exit codes) on the tiny
+corpus and checks what the user relies on: another run's files are never touched, a damaged newest checkpoint
+falls back to the previous one, a full disk leaves no partial checkpoint, a run with nothing to do changes nothing,
+and every refusal is one sentence.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+import checkpoint
+import data
+import parallel
+import train
+from conftest import TINY_MODEL_FLAGS
+from test_resume import ENV, ROOT, rows, run_here, started
+
+MODEL_FLAGS = [*TINY_MODEL_FLAGS, "--dim=32"]
+
+
+def args(corpus_dir, out_dir, *extra):
+    return [f"--data={corpus_dir}", f"--out_dir={out_dir}", "--seq_len=32", "--global_batch=4", "--micro_batch=2",
+            "--log_every=1", "--eval_every=0", "--eval_batches=1", "--sample_tokens=0", "--warmup_steps=2",
+            "--lr=1e-2", *MODEL_FLAGS, *extra]
+
+
+def ckpts(out_dir) -> list[str]:
+    root = Path(out_dir) / "checkpoints"
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+@pytest.fixture(scope="module")
+def finished(corpus_dir, tmp_path_factory):
+    """A finished 4-step run (cosine schedule), checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("finished")
+    train.main(*train.parse_args(args(corpus_dir, out, "--steps=4", "--ckpt_every=2")))
+    assert ckpts(out) == ["step_00000002", "step_00000004"]
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+# --- another run's files are never deleted, mixed or overwritten
+
+@pytest.mark.parametrize("resume", ["none", "other"])
+def test_new_run_in_another_runs_out_dir_is_refused_then_overwrites_on_request(finished, corpus_dir, tmp_path,
+                                                                               capsys, resume):
+    out = copy_of(finished, tmp_path)
+    resume_flag = f"--resume={finished / 'checkpoints' / 'step_00000002'}" if resume == "other" else "--resume=none"
+    steps = 3 if resume == "other" else 1  # "other" continues another directory's step 2, "none" starts anew
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=r"holds another run \(checkpoints, metrics.jsonl, config.json\), which a new "
+                                         r"run would mix with or delete; continue it with --resume=auto, choose a new "
+                                         r"--out_dir, or pass --overwrite to replace it\.$"):
+        train.main(*train.parse_args(args(corpus_dir, out, f"--steps={steps}", resume_flag)))
+    assert snapshot(out) == before  # nothing deleted, appended or rewritten
+
+    run_here(args(corpus_dir, out, f"--steps={steps}", resume_flag, "--overwrite"), capsys)
+    assert [r["step"] for r in rows(out)] == [steps]
+    assert ckpts(out) == [f"step_{steps:08d}"]  # the old run's checkpoints are gone, not mixed in
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == steps
+
+
+def test_torchrun_restart_continues_its_first_attempt(finished, corpus_dir, tmp_path, capsys, monkeypatch):
+    """A restarted job launched with --resume=none --overwrite must not delete what its first attempt wrote."""
+    out = copy_of(finished, tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    stdout = run_here(args(corpus_dir, out, "--steps=5", "--resume=none", "--overwrite"), capsys)
+    assert f"resumed from {out / 'checkpoints' / 'step_00000004'} at step 4" in stdout
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
+
+
+def snapshot(out: Path) -> dict:
+    """Every file under out: its bytes and modification time."""
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+
+
+def test_prune_deletes_only_the_runs_own_checkpoints(tmp_path):
+    """Two runs (two run ids) saving into one root with keep=1: each prunes only its own older checkpoints."""
+    model = torch.nn.Linear(4, 4)
+    checkpoint.save(str(tmp_path), 1, {"model": model}, {"run_id": "a"}, keep=1)
+    checkpoint.save(str(tmp_path), 2, {"model": model}, {"run_id": "b"}, keep=1)
+    checkpoint.save(str(tmp_path), 3, {"model": model}, {"run_id": "b"}, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000003"]
+
+
+def test_run_that_does_nothing_changes_nothing(finished, corpus_dir, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    before = snapshot(out)
+    stdout = run_here(args(corpus_dir, out, "--steps=4"), capsys)  # --resume=auto at the run's last step
+    assert "already at step 4 of 4; pass a larger --steps to train further" in stdout
+    assert snapshot(out) == before
+
+
+# --- checkpoints: by steps and by minutes, logged; Ctrl-C checkpoints; resumed metrics hold each step once
+
+def test_default_checkpoints_bound_the_work_a_crash_loses(corpus_dir, tmp_path, capsys):
+    defaults = train.TrainConfig()
+    assert 0 < defaults.ckpt_every <= 1000 and 0 < defaults.ckpt_minutes <= 60
+    # --ckpt_minutes: rank 0's clock makes every rank save; here every step is due.
+    stdout = run_here(args(corpus_dir, tmp_path, "--steps=3", "--ckpt_every=0", "--ckpt_minutes=1e-9",
+                           "--async_ckpt=false"), capsys)
+    assert ckpts(tmp_path) == ["step_00000001", "step_00000002", "step_00000003"]
+    for step in (1, 2, 3):
+        assert f"checkpoint step_{step:08d} complete, " in stdout and "s after it began" in stdout
+
+
+def test_ctrl_c_checkpoints_and_exits_zero_in_one_line(corpus_dir, tmp_path):
+    out = tmp_path / "run"
+    with started(args(corpus_dir, out, "--steps=30"), tmp_path / "log") as proc:
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline and len(rows(out)) < 2:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    stdout, err = (tmp_path / "log.out").read_text(), (tmp_path / "log.err").read_text()
+    assert code == 0, err[-4000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    stopped = rows(out)[-1]["step"]
+    assert f"interrupted: checkpoint written at step {stopped}; exiting" in stdout
+    assert checkpoint.latest(str(out / "checkpoints")) == str(out / "checkpoints" / f"step_{stopped:08d}")
+
+
+def test_resumed_run_logs_each_step_once(finished, corpus_dir, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    stdout = run_here(args(corpus_dir, out, "--steps=4", f"--resume={out / 'checkpoints' / 'step_00000002'}"),
+                      capsys)
+    assert "at step 2" in stdout
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    original = rows(finished)
+    assert [r["tokens_sum"] for r in logged] == [r["tokens_sum"] for r in original]  # the resumed rows replace them
+
+
+# --- faults that fall back instead of crashing
+
+def truncate_distcp(ckpt: Path):
+    f = next(ckpt.glob("*.distcp"))
+    f.write_bytes(f.read_bytes()[:100])
+    return f.name, "is truncated (100 bytes of"
+
+
+def truncate_state(ckpt: Path):
+    (ckpt / "state.json").write_text((ckpt / "state.json").read_text()[:50])
+    return "state.json", "is not valid JSON (truncated?)"
+
+
+def remove_metadata(ckpt: Path):
+    (ckpt / ".metadata").unlink()
+    return ".metadata", "is missing"
+
+
+@pytest.mark.parametrize("damage", [truncate_distcp, truncate_state, remove_metadata])
+def test_damaged_newest_checkpoint_falls_back_or_names_the_file(finished, corpus_dir, tmp_path, capsys, damage):
+    out = copy_of(finished, tmp_path)
+    newest = out / "checkpoints" / "step_00000004"
+    name, why = damage(newest)
+    # An explicit path: one sentence naming the file.
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="^" + re.escape(f"checkpoint {newest} is damaged: "
+                                                                           f"{newest / name} {why}")):
+        train.main(*train.parse_args(args(corpus_dir, tmp_path / "other", "--steps=5", f"--resume={newest}")))
+    # --resume=auto: the newest checkpoint that loads, saying which was skipped and why.
+    stdout = run_here(args(corpus_dir, out, "--steps=5", "--ckpt_every=2"), capsys)
+    assert f"checkpoint {newest} is damaged: {newest / name} {why}" in stdout
+    assert "Skipping it, trying the previous checkpoint." in stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_00000002'} at step 2" in stdout
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
+    checkpoint.verify(str(newest))  # rewritten whole by the resumed run
+
+
+@pytest.mark.parametrize("async_ckpt", [True, False], ids=["async", "sync"])
+def test_disk_full_during_a_save_is_one_line_and_the_run_goes_on(corpus_dir, tmp_path, capsys, monkeypatch,
+                                                                 async_ckpt):
+    write_item = dcp_filesystem._write_item
+
+    def disk_full_in_the_second_save(transforms, stream, *rest):  # the save of step 4 fills the disk part-way
+        if os.path.basename(os.path.dirname(stream.name)) == "step_00000004.tmp":
+            stream.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_item(transforms, stream, *rest)
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full_in_the_second_save)
+    root = tmp_path / "checkpoints"
+    stdout = run_here(args(corpus_dir, tmp_path, "--steps=6", "--ckpt_every=2", f"--async_ckpt={async_ckpt}"), capsys)
+    assert (f"no space left on {root}: checkpoint step_00000004 not written (its partial files are removed); the "
+            f"newest checkpoint is still {root / 'step_00000002'}. Training goes on.") in stdout
+    assert ckpts(tmp_path) == ["step_00000002", "step_00000006"]  # no step_00000004.tmp left behind
+    assert [r["step"] for r in rows(tmp_path)] == list(range(1, 7))
+
+
+def test_disk_full_at_the_final_save_fails_in_one_line(corpus_dir, tmp_path, monkeypatch):
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full)
+    with pytest.raises(checkpoint.SaveFailed, match=r"^no space left on .*checkpoints: checkpoint step_00000002 not "
+                                                    r"written \(its partial files are removed\); the newest "
+                                                    r"checkpoint is still none\.$"):
+        train.main(*train.parse_args(args(corpus_dir, tmp_path, "--steps=2", "--async_ckpt=false")))
+    assert ckpts(tmp_path) == []
+
+
+def test_token_id_beyond_the_vocabulary_names_the_shard_and_id(corpus_dir, tmp_path):
+    bad = shutil.copytree(corpus_dir, tmp_path / "data")
+    manifest = data.load_manifest(str(bad))
+    shard = manifest["splits"]["train"][0]
+    tokens = np.memmap(bad / shard["file"], np.dtype(manifest["dtype"]), "r+", offset=data.HEADER_BYTES)
+    tokens[:] = 200_000  # the header and the manifest still say the ids are in range
+    tokens.flush()
+    loader = data.DataLoader(str(bad), "train", 32, 4, vocab_size=100352)
+    with pytest.raises(data.DataError, match=f"train shard {bad / shard['file']} holds token id 200000 .*beyond "
+                                             f"the model's vocab_size=100352"):
+        loader.batch(0)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_out_dir_is_one_sentence_before_anything_heavy(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out" if where == "under_a_file" else Path("/proc/nanotitan_out")
+    # --data names nothing: the out_dir check comes before the data (and the model)
+    tc, overrides = train.parse_args(["--data=/nonexistent", f"--out_dir={out}"])
+    with pytest.raises(ValueError, match=f"^--out_dir={out} cannot be written to \\(.*\\); choose a directory"):
+        train.main(tc, overrides)
+
+
+# --- silent surprises, said
+
+@pytest.mark.parametrize("rule", ["keep", "stretch"])
+def test_extending_a_run_says_which_lr_schedule_it_follows(finished, corpus_dir, tmp_path, capsys, rule):
+    out = copy_of(finished, tmp_path)
+    stdout = run_here(args(corpus_dir, out, "--steps=6", f"--resume_schedule={rule}"), capsys)
+    tc4, tc6 = (train.parse_args(args(corpus_dir, out, f"--steps={n}"))[0] for n in (4, 6))
+    lrs = [r["lr"] for r in rows(out)]
+    assert lrs[:4] == [r["lr"] for r in rows(finished)]
+    if rule == "keep":  # the finished 4-step schedule, then its final LR
+        assert "LR schedule: the checkpoint's, laid over 4 steps, then its final LR" in stdout
+        assert lrs[4:] == [train.lr_at(3, tc4)] * 2
+    else:  # the schedule laid again over 6 steps: the LR jumps back up
+        assert "LR schedule: laid again over --steps=6, not the checkpoint's 4 steps" in stdout
+        assert lrs[4:] == [train.lr_at(4, tc6), train.lr_at(5, tc6)] and lrs[4] > lrs[3]
+
+
+def test_readme_layouts_work_with_the_default_batch(monkeypatch):
+    for world, flags in ((2, ["--ep=2"]), (8, ["--dp_replicate=2", "--ep=4", "--global_batch=64"]), (1, [])):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        tc, overrides = train.parse_args(flags)
+        assert tc.micro_batch == tc.global_batch // world
+        layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+        layout.check(train.model_config(tc, overrides, 100277), tc.global_batch, tc.micro_batch)
+
+
+def test_layout_error_is_one_line_from_one_rank(corpus_dir, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", f"--data={corpus_dir}", f"--out_dir={tmp_path}", "--ep=3"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "ep" in errors[0], r.stderr[-3000:]
+    assert 'train.py", line' not in r.stderr  # no worker traceback
+
+
+@pytest.mark.parametrize("typed, meant", [("--learning_rate=3e-4", "--lr"), ("--max_iters=100", "--steps"),
+                                          ("--batch_size=16", "--global_batch"), ("--n_layer=8", "--n_layers"),
+                                          ("--training.steps=10", "--steps"), ("--global_bach=8", "--global_batch")])
+def test_other_trainers_flag_names_are_suggested(typed, meant, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args([typed])
+    assert f"did you mean {meant}?" in capsys.readouterr().err
