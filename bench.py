@@ -11,7 +11,9 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
     python bench.py plan --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq=8192 --global_batch=12288 \
-        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic and days; no allocation
+        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic, step time, MFU, days and
+                                                         # the five fastest layouts that fit; no allocation
+    python bench.py plan --net_gbs=50 --tflops=h200.json # another network; compute rate from a saved --json result
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
     python bench.py vs-hf --dim=512 --n_heads=8 --head_dim=64 --n_experts=128 --top_k=8 --expert_hidden=128 \
         --vocab_size=4096                                # ... at a shape where the routed experts dominate
@@ -47,7 +49,8 @@ import train
 from model import PRESETS, FeedForward, MoE, RMSNorm, grouped_mm_supported, head_chunk_rows, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
-            "plan": "memory, traffic and days for a model on a GPU layout, without allocating it",
+            "plan": "memory, traffic, step time and days for a model on a GPU layout, and the fastest layouts that "
+                    "fit, without allocating anything",
             "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
             "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
 TRAIN_FLAGS = [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [f"--{n}" for n in train.MODEL_FIELDS]
@@ -833,7 +836,7 @@ def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, 
                         if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
                             p = plan(*args)
                             found.append((p, project(p, flops_s, peak)))
-    found.sort(key=lambda f: f[1]["step_s"])
+    found.sort(key=lambda f: (f[1]["step_s"], f[0]["memory_total_bytes"]))
     return found[:top], tried, len(found)
 
 
@@ -845,6 +848,8 @@ def layout_flags(p: dict) -> str:
 
 def why_slower(t: dict, best: dict) -> str:
     """The part of the step that grew most against the best layout's."""
+    if t["step_s"] <= 1.005 * best["step_s"]:
+        return "ties with the fastest (within 0.5%)"
     parts = set(t["seconds"]) | set(best["seconds"])
     worst = max(parts, key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
     return f"{worst} {t['seconds'].get(worst, 0.0):.2f} s vs {best['seconds'].get(worst, 0.0):.2f} s"
