@@ -36,7 +36,7 @@ import resource
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
@@ -569,6 +569,12 @@ class Links:
         s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
         return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
 
+    def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
+        """One collective of `kind` on an `nbytes` buffer (an all-reduce: a reduce-scatter, then an all-gather)."""
+        if kind == A2A:
+            return self.all_to_all_s(nbytes, group)
+        return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
+
     def all_to_all_s(self, nbytes: float, group: tuple[int, int]) -> float:
         """Each rank sends `nbytes` spread evenly over the group's n = km ranks: (k-1)/n of it over NVLink and
         (n-k)/n over the network at the same time, one step per peer."""
@@ -675,7 +681,7 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     # fp32 gates with the tokens; forward also sends the int64 counts first.
     pairs = tokens * cfg.top_k
     a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c]
-    cfg_attn = 12 * cfg.n_heads * cfg.head_dim
+    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
     units, made = [], {}  # units of the same sizes share their collectives (most blocks are alike)
     for full, unit_expert, (i, block_flops) in zip([root_full] + block_full, [0] + expert_full,
                                                    [(-1, 0)] + list(enumerate(facts["block_flops"]))):
@@ -689,10 +695,9 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
                 "a2a_fwd": [(A2A, b, g_ep) for b in [8 * cfg.n_experts] + a2a] if moe and ep > 1 else [],
                 "a2a_bwd": [(A2A, b, g_ep) for b in a2a] if moe and ep > 1 else []}
             for part in list(comm):
-                comm[f"{part}_s"] = sum(links.all_to_all_s(b, g) if kind == A2A else
-                                        links.ring_s(b, g) * (2 if kind == AR else 1) for kind, b, g in comm[part])
+                comm[f"{part}_s"] = sum(links.seconds(*collective) for collective in comm[part])
         ctx = 0 if i < 0 else (seq if cfg.is_global(i) else min(cfg.window, seq))
-        units.append({**made[full, unit_expert], "flops": block_flops + cfg_attn * ctx})
+        units.append({**made[full, unit_expert], "flops": block_flops + attn_flops * ctx})
     model_flops = facts["flops_per_token"](seq)
     head_flops = model_flops - sum(u["flops"] for u in units)  # the output head's matmuls (the root's)
 
@@ -700,22 +705,20 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     counts = {"gather": accum if not keep_gathered else 1, "regather": 0 if keep_gathered else accum,
               "reduce": accum if grad_sync == "every" else 1, "all_reduce": 1,
               "a2a": accum * (2 if ac == "full" else 1)}  # full AC repeats the forward's in backward
-    traffic = defaultdict(lambda: [0.0, 0.0])
-
     times = {"gather": counts["gather"] + counts["regather"], "reduce": counts["reduce"],
              "all_reduce": counts["all_reduce"], "a2a_fwd": counts["a2a"], "a2a_bwd": accum}
-    for j, u in enumerate(units):
-        if j == 0 or u["gather"] is not units[j - 1]["gather"]:  # a run of alike units counted once
-            run = next((k for k in range(j + 1, len(units)) if units[k]["gather"] is not u["gather"]), len(units)) - j
-            for part, n in times.items():
-                for kind, nbytes, group in u[part]:
-                    for side, b in enumerate(sent_bytes(nbytes, group, kind)):
-                        # The root is not gathered again in backward (FSDP2 keeps it).
-                        traffic[kind][side] += run * b * (counts["gather"] if j == 0 and part == "gather" else n)
-    n = facts["params"]
+    traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
+    alike = Counter(zip(block_full, expert_full))  # each kind of block counted once, times its number
+    for comm, uses, root in [(made[root_full, 0], 1, True)] + [(made[key], k, False) for key, k in alike.items()]:
+        for part, n in times.items():
+            n = counts["gather"] if root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
+            for kind, nbytes, group in comm[part]:
+                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
+                    traffic[kind][side] += uses * n * b
+    count = facts["params"]
     return {"world": W, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep, "accumulation_steps": accum,
             "micro_batch": micro_batch, "seq": seq, "ac": ac, "keep_gathered": keep_gathered, "grad_sync": grad_sync,
-            "params_total": n["total"], "params_active": n["active"], "params_per_gpu": params,
+            "params_total": count["total"], "params_active": count["active"], "params_per_gpu": params,
             "flops_per_token": model_flops, "head_flops_per_token": head_flops, "memory_bytes": memory,
             "memory_total_bytes": sum(memory.values()),
             "activations_by_ac": {mode: acts[mode]["peak"] for mode in AC_MODES},
@@ -852,7 +855,7 @@ def why_slower(t: dict, best: dict) -> str:
         return "ties with the fastest (within 0.5%)"
     parts = set(t["seconds"]) | set(best["seconds"])
     worst = max(parts, key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
-    return f"{worst} {t['seconds'].get(worst, 0.0):.2f} s vs {best['seconds'].get(worst, 0.0):.2f} s"
+    return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
 
 
 def read_tflops(text: str) -> tuple[float, str]:
@@ -950,10 +953,12 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
         for i, (q, r) in enumerate(best):
             lose = "fastest" if i == 0 else f"+{100 * (r['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
                                                f"{why_slower(r, best[0][1])}"
-            print(f"  {i + 1}. {layout_flags(q):70s} {r['step_s']:6.2f} s  MFU {100 * r['mfu']:4.1f}%  "
+            print(f"  {i + 1}. {layout_flags(q):76s} {r['step_s']:#7.3g} s  MFU {100 * r['mfu']:4.1f}%  "
                   f"{r['days']:5.1f} days  {gib(q['memory_total_bytes']):5.0f} GiB  {lose}")
         if best:
-            print(f"  this layout: {t['step_s']:.2f} s; vs the fastest: {why_slower(t, best[0][1])}")
+            print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
+            print(f"  the fastest with train.py ({args.gpus} ranks): train.py --preset={tc.preset} --seq_len={seq} "
+                  f"--global_batch={global_batch} {layout_flags(best[0][0])}")
     if not result["fits"]:
         hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
                 "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
