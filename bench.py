@@ -949,7 +949,8 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
             {"flags": layout_flags(q), "step_seconds": r["step_s"], "mfu": r["mfu"], "days": r["days"],
              "memory_gib_per_gpu": gib(q["memory_total_bytes"]), "seconds_per_step": r["seconds"]}
             for q, r in best]}
-        print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):")
+        print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
+              + ("" if best else " none; use more GPUs or a smaller model"))
         for i, (q, r) in enumerate(best):
             lose = "fastest" if i == 0 else f"+{100 * (r['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
                                                f"{why_slower(r, best[0][1])}"
