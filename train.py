@@ -323,8 +323,8 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
             # FSDP reduce-scatters every micro-batch (holding unsharded gradients across micro-batches would cost
             # a full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
             model.set_requires_all_reduce(i == n_micro - 1)
-            # The optimizer updates the shards, so the last micro-batch always frees the gathered copies.
-            model.set_reshard_after_backward(not tc.keep_gathered or i == n_micro - 1)
+            if tc.keep_gathered:  # the optimizer updates the shards: the last micro-batch frees the gathered copies
+                model.set_reshard_after_backward(i == n_micro - 1)
         with autocast:
             lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
                             doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
