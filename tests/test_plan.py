@@ -222,6 +222,22 @@ def test_one_gpu_steps_at_its_compute_rate():
             assert t["mfu"] == pytest.approx(rate / (peak * 1e12)) and set(t["seconds"]) == {"compute"}
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_middle_micro_batches_repeat_as_a_whole_timeline_runs_them(keep):
+    """project() times three micro-batches and repeats the middle one: the same step as all eight on one timeline,
+    on links slow enough that communication spills from one micro-batch into the next."""
+    links = bench.Links(per_node=8, intra=10e9, inter=1e7, latency=5e-6)
+    p = bench.plan(CFG, parallel.Layout(16, 2, 2), SEQ, 1, 16 * 8, keep_gathered=keep, links=links)
+    tl = bench.Timeline()
+    for i in range(8):
+        bench.micro_batch_on(tl, p, 1e11, first=i == 0, last=i == 7)
+    tl.compute(0.0, tl.link_end)
+    t = bench.project(p, 1e11, 100.0)
+    assert t["step_s"] == pytest.approx(tl.compute_end, rel=1e-9)
+    assert t["seconds"] == pytest.approx(dict(tl.seconds), rel=1e-9)
+    assert t["seconds"]["compute"] < t["step_s"] / 2  # communication-bound: the case where spilling matters
+
+
 def test_a_layout_whose_fsdp_groups_cross_a_slow_network_ranks_below_one_that_keeps_them_in_a_node():
     """16 GPUs in two nodes of 8 whose network is 10^5 times slower than NVLink: FSDP over all 16 (R=1) gathers
     every block across it, twice per micro-batch; FSDP inside each node with the replicas across (R=2) crosses it
