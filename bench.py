@@ -13,7 +13,9 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
     python bench.py plan --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq=8192 --global_batch=12288 \
-        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic and days; no allocation
+        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic, step time, MFU, days and
+                                                         # the five fastest layouts that fit; no allocation
+    python bench.py plan --net_gbs=50 --tflops=h200.json # another network; compute rate from a saved --json result
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
     python bench.py vs-hf --dim=512 --n_heads=8 --head_dim=64 --n_experts=128 --top_k=8 --expert_hidden=128 \
         --vocab_size=4096                                # ... at a shape where the routed experts dominate
@@ -37,7 +39,7 @@ import resource
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
@@ -47,10 +49,11 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import PRESETS, FeedForward, MoE, grouped_mm_supported, head_chunk_rows, meta_model
+from model import PRESETS, FeedForward, MoE, RMSNorm, grouped_mm_supported, head_chunk_rows, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
-            "plan": "memory, traffic and days for a model on a GPU layout, without allocating it",
+            "plan": "memory, traffic, step time and days for a model on a GPU layout, and the fastest layouts that "
+                    "fit, without allocating anything",
             "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
             "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
 TRAIN_FLAGS = [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [f"--{n}" for n in train.MODEL_FIELDS]
@@ -663,13 +666,18 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py plan: memory, traffic and time for a layout, by arithmetic on a meta-device model
 
-# SPEC §7 dense bf16 peaks (train.PEAK_TFLOPS) and memory per GPU in GiB.
-GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80), "h200": (train.PEAK_TFLOPS["H200"], 141),
-        "b200": (train.PEAK_TFLOPS["B200"], 180), "b300": (train.PEAK_TFLOPS["B300"], 288)}
+# Per GPU kind: dense bf16 peak (TFLOP/s), memory (GiB), NVLink bandwidth per GPU each way and the default network
+# bandwidth per GPU each way (GB/s) of an 8-GPU node with one NIC per GPU (line rates; measured NCCL bus bandwidth
+# is typically 80-90% of them: pass it with --nvlink_gbs / --net_gbs).
+GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50),    # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
+        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50),   # NVLink 4, 400 Gb/s NIC
+        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
+        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
 # A plan fits when its prediction leaves 10% of the GPU for what it does not model: the CUDA context, NCCL buffers,
 # allocator fragmentation, EP load imbalance.
 FIT_FRACTION = 0.9
 AC_MODES = ("none", "selective", "full")
+AG, RS, AR, A2A = "FSDP all-gather", "FSDP reduce-scatter", "HSDP all-reduce across replicas", "EP all-to-all"
 
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
@@ -721,39 +729,125 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
             for mode in AC_MODES}
 
 
+@dataclasses.dataclass
+class Links:
+    """How GPUs talk: nodes of `per_node` GPUs joined by NVLink at `intra` bytes/s per GPU each way, nodes joined by
+    the network at `inter` bytes/s per GPU each way (one NIC per GPU), `latency` seconds per step of a collective."""
+    per_node: int = 8
+    intra: float = 900e9
+    inter: float = 100e9
+    latency: float = 5e-6
+
+    def span(self, stride: int, size: int) -> tuple[int, int]:
+        """(ranks per node, nodes) of a group of `size` ranks `stride` apart, in build_mesh's rank order (row-major
+        over [dp_replicate, efsdp, ep]): EP groups are consecutive ranks, FSDP groups consecutive blocks of dp_shard
+        ranks, expert FSDP groups every ep-th rank of a block, replicas dp_shard ranks apart."""
+        nodes = len({i * stride // self.per_node for i in range(size)})
+        return size // nodes, nodes
+
+    def ring_s(self, nbytes: float, group: tuple[int, int]) -> float:
+        """An all-gather or reduce-scatter of an `nbytes` buffer (the unsharded size) over a group of k ranks on each
+        of m nodes, hierarchically: a ring over NVLink inside each node, then a ring over the m nodes in which each
+        of the k GPUs carries 1/k of the buffer through its own NIC (what NCCL's rings over rail-aligned NICs reach:
+        a node's k NICs together)."""
+        k, m = group
+        s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
+        return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
+
+    def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
+        """One collective of `kind` on an `nbytes` buffer (an all-reduce: a reduce-scatter, then an all-gather)."""
+        if kind == A2A:
+            return self.all_to_all_s(nbytes, group)
+        return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
+
+    def all_to_all_s(self, nbytes: float, group: tuple[int, int]) -> float:
+        """Each rank sends `nbytes` spread evenly over the group's n = km ranks: (k-1)/n of it over NVLink and
+        (n-k)/n over the network at the same time, one step per peer."""
+        k, m = group
+        n = k * m
+        return max(nbytes * (k - 1) / n / self.intra, nbytes * (n - k) / n / self.inter) + (n - 1) * self.latency
+
+
+def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float, float]:
+    """(bytes a GPU sends, of which over the network) for one collective on an `nbytes` buffer (all-reduce: the
+    ring reduce-scatter then all-gather, twice a ring's)."""
+    k, m = group
+    n = k * m
+    if kind == A2A:
+        return nbytes * (n - 1) / n, nbytes * (n - k) / n
+    twice = 2 if kind == AR else 1
+    return twice * nbytes * (n - 1) / n, twice * nbytes * (m - 1) / n
+
+
+_FACTS = {}
+
+
+@functools.lru_cache(maxsize=None)
+def shard(unit: tuple, shards: int) -> int:
+    """Elements of one rank's shard of an FSDP unit (its parameter shapes): FSDP2 shards dim 0, padding it to a
+    multiple of the shard count."""
+    return sum(-(-shape[0] // shards) * math.prod(shape[1:]) for shape in unit)
+
+
+def model_facts(cfg) -> dict:
+    """What planning needs from a meta-device model, built once per config: parameter shapes of each FSDP unit,
+    matmul FLOPs per token of each block (attention's at `seq` added later) and of the output head, counts."""
+    key = repr(cfg)
+    if key not in _FACTS:
+        model = meta_model(cfg)
+        norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+        share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
+
+        def matmul_flops(block):  # 6 per weight a token touches: forward 2, backward 4
+            return 6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
+                           for n, p in block.named_parameters() if id(p) not in norms)
+
+        blocks = list(model.layers.values())
+        _FACTS[key] = {
+            "root": tuple(tuple(p.shape) for name, p in model.named_parameters() if not name.startswith("layers.")),
+            "blocks": [tuple(tuple(p.shape) for name, p in b.named_parameters() if ".experts." not in f".{name}")
+                       for b in blocks],
+            "experts": [tuple(tuple(p.shape) for p in (b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj))
+                        if isinstance(b.ffn, MoE) else () for b in blocks],
+            "block_flops": [matmul_flops(b) for b in blocks],
+            "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
+    return _FACTS[key]
+
+
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
-         compute_bytes: int = 2, grad_sync: str = "every") -> dict:
-    """Per-GPU memory (bytes), FLOPs per token and bytes moved per optimizer step for `cfg` on `layout`, as
-    parallel.py shards it: FSDP units are each block's dense parameters and the root (embedding, final norm, head)
-    over dp_shard = S ranks, and each MoE layer's routed experts, E/ep per EP rank, over efsdp = S/ep ranks;
-    replicated dp_replicate times. Mixed precision as train.py on GPU: fp32 master weights, gradients and AdamW
-    state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "every" as train.train_step
-    does (reduce-scatter each micro-batch, all-reduce across replicas on the last), "last" (FSDP2's
+         compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
+         links: Links | None = None, detail: bool = True) -> dict:
+    """Per-GPU memory (bytes), FLOPs per token, the collectives of one optimizer step and the bytes they send for
+    `cfg` on `layout`, as parallel.py shards it: FSDP units are each block's dense parameters and the root
+    (embedding, final norm, head) over dp_shard = S ranks, and each MoE layer's routed experts, E/ep per EP rank,
+    over efsdp = S/ep ranks; replicated dp_replicate times. Mixed precision as train.py on GPU: fp32 master weights,
+    gradients and AdamW state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "every" as
+    train.train_step does (reduce-scatter each micro-batch, all-reduce across replicas on the last), "last" (FSDP2's
     set_requires_gradient_sync on the last micro-batch only, which keeps every unit's unsharded fp32 gradients
-    between micro-batches)."""
+    between micro-batches). `keep_gathered`: train.py --keep_gathered (parameters gathered once per step and kept
+    until the last micro-batch's backward) instead of FSDP2's default (a block gathered in forward, freed, gathered
+    again in backward, every micro-batch; the root kept from forward to backward). detail=False stops after the
+    memory (the search's first filter). Each unit's collectives come with their seconds on `links`."""
     layout.check(cfg, global_batch, micro_batch)
-    model = meta_model(cfg)
+    facts, links = model_facts(cfg), links or Links()
     W, R, S, Fs, ep = layout.world, layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep
     c, accum = compute_bytes, layout.accumulation_steps(global_batch, micro_batch)
 
-    def numel(shape, shards=1):  # FSDP2 shards dim 0, padding it to a multiple of the shard count
-        return -(-shape[0] // shards) * math.prod(shape[1:])
-
-    root = [p.shape for name, p in model.named_parameters() if not name.startswith("layers.")]
-    blocks = [[p.shape for name, p in block.named_parameters() if ".experts." not in f".{name}"]
-              for block in model.layers.values()]
-    experts = [[(cfg.n_experts // ep, *p.shape[1:]) for p in (m.experts.gate_up_proj, m.experts.down_proj)]
-               for m in model.moe_layers()]
-    params = (sum(numel(s, S) for unit in [root, *blocks] for s in unit)
-              + sum(numel(s, Fs) for unit in experts for s in unit))
-    full = lambda unit: sum(numel(s) for s in unit)  # noqa: E731  (unsharded elements of one FSDP unit on a GPU)
-    root_full, block_full, expert_full = full(root), [full(u) for u in blocks], [full(u) for u in experts]
+    experts = [tuple((cfg.n_experts // ep, *s[1:]) for s in unit) for unit in facts["experts"]]
+    params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
+    # Unsharded elements of each unit as FSDP gathers it (every shard padded alike): dense units over S, experts
+    # over Fs.
+    root_full = S * shard(facts["root"], S)
+    block_full = [S * shard(u, S) for u in facts["blocks"]]
+    expert_full = [Fs * shard(u, Fs) for u in experts]
     largest = max(block_full + expert_full)
     memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params,
               "optimizer (AdamW m, v in fp32)": 8 * params}
     if W > 1:
-        # FSDP2 keeps the root unsharded from forward to backward; a block is gathered while the next is prefetched.
-        memory["FSDP all-gather buffers (compute copies)"] = c * (root_full + 2 * largest)
+        if keep_gathered:
+            memory["every unit gathered (compute copies)"] = c * (root_full + sum(block_full) + sum(expert_full))
+        else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
+            memory["FSDP all-gather buffers (compute copies)"] = c * (root_full + 2 * largest)
         # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter.
         memory["FSDP reduce-scatter buffers"] = (c + 4) * max(root_full, largest)
         if grad_sync == "last" and accum > 1:
@@ -761,59 +855,252 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
                                                                            + sum(expert_full))
     acts = activation_bytes(cfg, seq, micro_batch, c, ep)
     memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
-    total = sum(memory.values())
+    if not detail:
+        return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
 
-    # Bytes each GPU sends per optimizer step (ring collectives: (n-1)/n of the buffer; all-reduce twice that).
-    ring = lambda n: (n - 1) / n  # noqa: E731
-    n_moe = len(experts)
-    gather_once = c * ((root_full + sum(block_full)) * ring(S) + sum(expert_full) * ring(Fs))
-    regather = c * (sum(block_full) * ring(S) + sum(expert_full) * ring(Fs))  # backward; the root stays gathered
-    traffic = {
-        "FSDP all-gather": accum * (gather_once + regather),
-        "FSDP reduce-scatter": (1 if grad_sync == "last" else accum)
-        * 4 * ((root_full + sum(block_full)) * ring(S) + sum(expert_full) * ring(Fs)),
-        "HSDP all-reduce across replicas": 2 * ring(R) * 4 * params,
-        # dispatch and combine forward, their reverse in backward, both again when full AC recomputes a block
-        "EP all-to-all": accum * n_moe * micro_batch * seq * cfg.top_k * cfg.dim * c * ring(ep)
-        * (6 if ac == "full" else 4),
-    }
-    n = model.num_params()
+    # The collectives, per FSDP unit in forward order (the root first): (kind, buffer bytes, (ranks per node, nodes)).
+    g_dense, g_expert = links.span(1, S), links.span(ep, Fs)
+    g_replica, g_ep = links.span(S, R), links.span(1, ep)
+    tokens = micro_batch * seq
+    # One MoE layer's all-to-alls in one direction: tokens out and results back (D wide, compute dtype) and the
+    # fp32 gates with the tokens; forward also sends the int64 counts first.
+    pairs = tokens * cfg.top_k
+    a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c]
+    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
+    units, made = [], {}  # units of the same sizes share their collectives (most blocks are alike)
+    for full, unit_expert, (i, block_flops) in zip([root_full] + block_full, [0] + expert_full,
+                                                   [(-1, 0)] + list(enumerate(facts["block_flops"]))):
+        if (full, unit_expert) not in made:
+            moe = unit_expert > 0
+            comm = made[full, unit_expert] = {
+                "gather": [(AG, c * full, g_dense)] + ([(AG, c * unit_expert, g_expert)] if moe else []),
+                "reduce": [(RS, 4 * full, g_dense)] + ([(RS, 4 * unit_expert, g_expert)] if moe else []),
+                "all_reduce": [(AR, 4 * full // S, g_replica)] + ([(AR, 4 * unit_expert // Fs, g_replica)]
+                                                                  if moe else []),
+                "a2a_fwd": [(A2A, b, g_ep) for b in [8 * cfg.n_experts] + a2a] if moe and ep > 1 else [],
+                "a2a_bwd": [(A2A, b, g_ep) for b in a2a] if moe and ep > 1 else []}
+            for part in list(comm):
+                comm[f"{part}_s"] = sum(links.seconds(*collective) for collective in comm[part])
+        ctx = 0 if i < 0 else (seq if cfg.is_global(i) else min(cfg.window, seq))
+        units.append({**made[full, unit_expert], "flops": block_flops + attn_flops * ctx})
+    model_flops = facts["flops_per_token"](seq)
+    head_flops = model_flops - sum(u["flops"] for u in units)  # the output head's matmuls (the root's)
+
+    # How often each happens in one optimizer step.
+    counts = {"gather": accum if not keep_gathered else 1, "regather": 0 if keep_gathered else accum,
+              "reduce": accum if grad_sync == "every" else 1, "all_reduce": 1,
+              "a2a": accum * (2 if ac == "full" else 1)}  # full AC repeats the forward's in backward
+    times = {"gather": counts["gather"] + counts["regather"], "reduce": counts["reduce"],
+             "all_reduce": counts["all_reduce"], "a2a_fwd": counts["a2a"], "a2a_bwd": accum}
+    traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
+    alike = Counter(zip(block_full, expert_full))  # each kind of block counted once, times its number
+    for comm, uses, root in [(made[root_full, 0], 1, True)] + [(made[key], k, False) for key, k in alike.items()]:
+        for part, n in times.items():
+            n = counts["gather"] if root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
+            for kind, nbytes, group in comm[part]:
+                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
+                    traffic[kind][side] += uses * n * b
+    count = facts["params"]
     return {"world": W, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep, "accumulation_steps": accum,
-            "params_total": n["total"], "params_active": n["active"], "params_per_gpu": params,
-            "flops_per_token": model.flops_per_token(seq), "memory_bytes": memory, "memory_total_bytes": total,
+            "micro_batch": micro_batch, "seq": seq, "ac": ac, "keep_gathered": keep_gathered, "grad_sync": grad_sync,
+            "params_total": count["total"], "params_active": count["active"], "params_per_gpu": params,
+            "flops_per_token": model_flops, "head_flops_per_token": head_flops, "memory_bytes": memory,
+            "memory_total_bytes": sum(memory.values()),
             "activations_by_ac": {mode: acts[mode]["peak"] for mode in AC_MODES},
-            "traffic_bytes_per_step": traffic}
+            "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
+            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()},
+            "groups": {"dp_shard": g_dense, "efsdp": g_expert, "dp_replicate": g_replica, "ep": g_ep},
+            "units": units}
+
+
+class Timeline:
+    """One GPU's optimizer step on two resources: the compute stream, and the links, one queue for every FSDP
+    collective (all-gathers and reduce-scatters share the same NVLink and NICs). The EP all-to-all runs on the
+    compute stream: the experts wait for their tokens. Counts, per kind, the seconds compute waits for the links."""
+
+    def __init__(self):
+        self.compute_end = self.link_end = 0.0
+        self.busy, self.first_busy = [], 0  # (start, end, kind) on the links, in order
+        self.seconds = defaultdict(float)   # compute and EP all-to-all time, and exposed waits by kind
+        self.link_s = defaultdict(float)    # link time by kind
+
+    def comm(self, kind: str, seconds: float, ready: float) -> float:
+        start = max(self.link_end, ready)
+        self.link_end = start + seconds
+        self.busy.append((start, self.link_end, kind))
+        self.link_s[kind] += seconds
+        return self.link_end
+
+    def compute(self, seconds: float, ready: float = 0.0, kind: str = "compute") -> float:
+        start = max(self.compute_end, ready)
+        # The wait, charged to the collectives the links are busy with meanwhile.
+        while self.first_busy < len(self.busy) and self.busy[self.first_busy][1] <= self.compute_end:
+            self.first_busy += 1
+        for s, e, k in self.busy[self.first_busy:]:
+            if s >= start:
+                break
+            self.seconds[f"exposed {k}"] += min(e, start) - max(s, self.compute_end)
+        self.compute_end = start + seconds
+        self.seconds[kind] += seconds
+        return start
+
+
+def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
+    """One micro-batch of train.train_step on the timeline. Forward: the root's all-gather (embedding), then each
+    block's, issued when the block before it starts computing (FSDP2's prefetch, one block ahead); the head at the
+    end. Backward from the last block: each re-gathered one block ahead (unless kept gathered) and its gradients
+    reduce-scattered (on the last micro-batch also all-reduced across replicas) as soon as its backward ends."""
+    tokens, units = p["micro_batch"] * p["seq"], p["units"]
+    gather, regather = first or not p["keep_gathered"], not p["keep_gathered"]
+    recompute = 2 if p["ac"] == "full" else 1  # full AC runs each block's forward again in backward
+
+    def a2a(seconds):  # on the compute stream
+        if seconds:
+            tl.compute(seconds, kind=A2A)
+            tl.link_s[A2A] += seconds
+
+    ready = [tl.comm(AG, units[0]["gather_s"], tl.compute_end) if gather else 0.0] + [0.0] * (len(units) - 1)
+    for j, u in enumerate(units):
+        start = tl.compute(u["flops"] / 3 * tokens / flops_s, ready[j])
+        if gather and j + 1 < len(units):
+            ready[j + 1] = tl.comm(AG, units[j + 1]["gather_s"], start)
+        a2a(u["a2a_fwd_s"])
+    tl.compute(p["head_flops_per_token"] * tokens / flops_s)  # the fused loss makes the head's gradients too
+    blocks = units[:0:-1]
+    ready = [tl.comm(AG, blocks[0]["gather_s"], tl.compute_end) if regather else 0.0] + [0.0] * len(blocks)
+    for j, u in enumerate(blocks + [units[0]]):
+        if u is not units[0]:
+            start = tl.compute(u["flops"] / 3 * (1 + recompute) * tokens / flops_s, ready[j])
+            if regather and j + 1 < len(blocks):
+                ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
+            a2a((u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
+        if p["grad_sync"] == "every" or last:
+            tl.comm(RS, u["reduce_s"], tl.compute_end)
+        if last and p["dp_replicate"] > 1:
+            tl.comm(AR, u["all_reduce_s"], tl.compute_end)
+
+
+def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 17e12) -> dict:
+    """Step time of plan `p` when the GPU computes at `flops_s` FLOP/s: a timeline of the first, one middle and the
+    last micro-batch, the middle one's time repeated for the others. Returns seconds per step, compute, exposed
+    communication by kind, link time by kind, tokens/s per GPU, projected MFU and days for `tokens_budget`."""
+    tl, accum = Timeline(), p["accumulation_steps"]
+    marks = []
+    for i in range(min(accum, 3)):
+        micro_batch_on(tl, p, flops_s, first=i == 0, last=i == min(accum, 3) - 1)
+        marks.append((tl.compute_end, dict(tl.seconds), dict(tl.link_s)))
+    tl.compute(0.0, tl.link_end)  # the optimizer waits for the last reductions
+    step_s, seconds, link_s = tl.compute_end, dict(tl.seconds), dict(tl.link_s)
+    if accum > 3:  # the middle micro-batches repeat the second one
+        more = accum - 3
+        step_s += more * (marks[1][0] - marks[0][0])
+        for total, now, before in ((seconds, marks[1][1], marks[0][1]), (link_s, marks[1][2], marks[0][2])):
+            for k in now:
+                total[k] = total.get(k, 0.0) + more * (now[k] - before.get(k, 0.0))
+    tokens = accum * p["micro_batch"] * p["seq"]  # per GPU per step
+    mfu = p["flops_per_token"] * tokens / step_s / (peak_tflops * 1e12)
+    return {"step_s": step_s, "seconds": seconds, "link_s": link_s, "tokens_per_s_per_gpu": tokens / step_s,
+            "mfu": mfu, "days": tokens_budget / (tokens * p["world"]) * step_s / 86400}
+
+
+def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, flops_s: float, top: int = 5):
+    """Every layout train.py can run for this model, GPU count and global batch (dp_replicate x dp_shard, ep,
+    micro-batch and so accumulation, AC mode, --keep_gathered), projected; the `top` fastest that fit in memory and
+    the numbers tried and fitting."""
+    peak, mem_gib = GPUS[gpu][:2]
+    rows = global_batch // gpus
+    found, tried = [], 0
+    for R in parallel._divisors(gpus):
+        S = gpus // R
+        eps = [e for e in parallel._divisors(S) if cfg.n_experts % e == 0] if cfg.n_dense_layers < cfg.n_layers \
+            else [1]
+        for ep in eps:
+            for micro in parallel._divisors(rows):
+                for ac in AC_MODES:
+                    for keep in (False, True):
+                        tried += 1
+                        args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep,
+                                links)
+                        if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
+                            p = plan(*args)
+                            found.append((p, project(p, flops_s, peak)))
+    found.sort(key=lambda f: (f[1]["step_s"], f[0]["memory_total_bytes"]))
+    return found[:top], tried, len(found)
+
+
+def layout_flags(p: dict) -> str:
+    """The train.py flags of a plan's layout."""
+    return (f"--dp_replicate={p['dp_replicate']} --ep={p['ep']} --micro_batch={p['micro_batch']} --ac={p['ac']}"
+            + (" --keep_gathered=true" if p["keep_gathered"] else ""))
+
+
+def why_slower(t: dict, best: dict) -> str:
+    """The part of the step that grew most against the best layout's."""
+    if t["step_s"] <= 1.005 * best["step_s"]:
+        return "ties with the fastest (within 0.5%)"
+    parts = set(t["seconds"]) | set(best["seconds"])
+    worst = max(parts, key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
+    return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
+
+
+def read_tflops(text: str) -> tuple[float, str]:
+    """--tflops: a number, or a saved `bench.py --json` result (its last line) whose tflops_per_device is used."""
+    try:
+        return float(text), "given"
+    except ValueError:
+        pass
+    if not os.path.isfile(text):
+        raise ValueError(f"--tflops={text} is neither a number nor a file; pass TFLOP/s or a saved bench.py --json "
+                         f"output.")
+    with open(text) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+        return float(result["tflops_per_device"]), f"measured by bench.py on {result.get('device', '?')} ({text})"
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{text} does not end with a bench.py --json result holding tflops_per_device; save the "
+                         f"output of `python bench.py --json ...` on the GPU.") from None
 
 
 def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
-    peak, mem_gib = GPUS[args.gpu]
+    peak, mem_gib, nvlink_gbs, net_gbs = GPUS[args.gpu]
+    links = Links(args.gpus_per_node, (args.nvlink_gbs or nvlink_gbs) * 1e9, (args.net_gbs or net_gbs) * 1e9,
+                  args.latency_us * 1e-6)
+    tflops, rate_from = read_tflops(args.tflops) if args.tflops else (args.mfu * peak, f"{100 * args.mfu:g}% of peak")
+    if tflops <= 0:
+        raise ValueError(f"--tflops={args.tflops} must be above 0.")
     seq = args.seq or PRESETS[tc.preset].max_seq_len
     global_batch = args.global_batch or args.gpus * args.micro_batch
     cfg = model_config(dataclasses.replace(tc, seq_len=seq), overrides)
     layout = parallel.Layout(args.gpus, args.dp_replicate, args.ep)
     result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": seq,
-              "micro_batch": args.micro_batch, "global_batch": global_batch, "ac": args.ac, "grad_sync": args.grad_sync}
+              "micro_batch": args.micro_batch, "global_batch": global_batch, "ac": args.ac, "grad_sync": args.grad_sync,
+              "keep_gathered": tc.keep_gathered, "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9,
+              "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "compute_tflops": tflops}
     try:
-        p = plan(cfg, layout, seq, args.micro_batch, global_batch, args.ac, 2, args.grad_sync)
+        p = plan(cfg, layout, seq, args.micro_batch, global_batch, args.ac, 2, args.grad_sync, tc.keep_gathered,
+                 links)
     except ValueError as e:
         return {**result, "fits": False, "reason": str(e), "exit": 2}
+    t = project(p, tflops * 1e12, peak, args.tokens)
     gib = lambda b: b / 2**30  # noqa: E731
     total_gib, budget = gib(p["memory_total_bytes"]), FIT_FRACTION * mem_gib
     tokens_per_step = global_batch * seq
-    step_s = tokens_per_step * p["flops_per_token"] / (args.gpus * peak * 1e12 * args.mfu)
-    days = args.tokens * p["flops_per_token"] / (args.gpus * peak * 1e12 * args.mfu) / 86400
-    traffic = p["traffic_bytes_per_step"]
+    traffic, network = p["traffic_bytes_per_step"], p["network_bytes_per_step"]
     result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
                   memory_gib={k: gib(v) for k, v in p["memory_bytes"].items()},
                   activations_gib_by_ac={k: gib(v) for k, v in p["activations_by_ac"].items()},
                   flops_per_token=p["flops_per_token"], params_total=p["params_total"],
                   params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
                   traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in traffic.items()},
-                  step_seconds=step_s, bandwidth_gb_s_per_gpu=sum(traffic.values()) / 1e9 / step_s,
-                  tokens=args.tokens, mfu=args.mfu, days=days, fits=total_gib <= budget)
+                  network_gb_per_step_per_gpu={k: v / 1e9 for k, v in network.items()},
+                  step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
+                  tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], tokens=args.tokens, days=t["days"],
+                  fits=total_gib <= budget)
     print(f"plan: {tc.preset} on {args.gpus} x {args.gpu} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
           f"seq {seq}, micro-batch {args.micro_batch}, global batch {global_batch} "
-          f"({p['accumulation_steps']} micro-batch(es) per step), ac={args.ac}, grad_sync={args.grad_sync}")
+          f"({p['accumulation_steps']} micro-batch(es) per step), ac={args.ac}, grad_sync={args.grad_sync}, "
+          f"keep_gathered={tc.keep_gathered}")
     print(layout.describe(cfg.n_experts))
     print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
           f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
@@ -823,14 +1110,41 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
     print(f"  {'total':48s} {total_gib:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: {budget:.0f})")
     print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
                                                        for k, v in result["activations_gib_by_ac"].items()))
-    print(f"FLOPs per token at seq {seq}: {p['flops_per_token'] / 1e9:.2f} GFLOP (SPEC §7)")
-    print("bytes each GPU sends per optimizer step:")
+    print(f"FLOPs per token at seq {seq}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
+          f"attention)")
+    spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
+    print(f"links: {links.per_node} GPUs per node, NVLink {links.intra / 1e9:g} GB/s and network "
+          f"{links.inter / 1e9:g} GB/s per GPU each way, {links.latency * 1e6:g} us per collective step; groups "
+          f"(ranks per node x nodes): {spans}")
+    print(f"bytes each GPU sends per optimizer step, and the time they take on the links:")
     for k, v in traffic.items():
-        print(f"  {k:48s} {v / 1e9:9.1f} GB")
-    print(f"  {'total':48s} {sum(traffic.values()) / 1e9:9.1f} GB; at {100 * args.mfu:.0f}% MFU a step takes "
-          f"{step_s:.2f} s, so {result['bandwidth_gb_s_per_gpu']:.0f} GB/s per GPU must overlap with compute")
-    print(f"time: {args.tokens:.3g} tokens at {100 * args.mfu:.0f}% MFU on {args.gpus} x {args.gpu}: {days:.1f} days "
+        print(f"  {k:40s} {v / 1e9:9.1f} GB ({network[k] / 1e9:7.1f} GB over the network) "
+              f"{t['link_s'].get(k, 0.0):7.2f} s")
+    print(f"time per step ({rate_from}: compute at {tflops:g} TFLOP/s; all-gathers prefetched one block ahead, "
+          f"reduce-scatters overlapping backward, the EP all-to-all in line):")
+    for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:48s} {v:9.2f} s")
+    print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+          f"{100 * t['mfu']:.1f}%")
+    print(f"time: {args.tokens:.3g} tokens on {args.gpus} x {args.gpu}: {t['days']:.1f} days "
           f"({args.tokens / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
+    if args.search:
+        best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12)
+        result["search"] = {"tried": tried, "fit": fit, "best": [
+            {"flags": layout_flags(q), "step_seconds": r["step_s"], "mfu": r["mfu"], "days": r["days"],
+             "memory_gib_per_gpu": gib(q["memory_total_bytes"]), "seconds_per_step": r["seconds"]}
+            for q, r in best]}
+        print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
+              + ("" if best else " none; use more GPUs or a smaller model"))
+        for i, (q, r) in enumerate(best):
+            lose = "fastest" if i == 0 else f"+{100 * (r['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
+                                               f"{why_slower(r, best[0][1])}"
+            print(f"  {i + 1}. {layout_flags(q):76s} {r['step_s']:#7.3g} s  MFU {100 * r['mfu']:4.1f}%  "
+                  f"{r['days']:5.1f} days  {gib(q['memory_total_bytes']):5.0f} GiB  {lose}")
+        if best:
+            print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
+            print(f"  the fastest with train.py ({args.gpus} ranks): train.py --preset={tc.preset} --seq_len={seq} "
+                  f"--global_batch={global_batch} {layout_flags(best[0][0])}")
     if not result["fits"]:
         hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
                 "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
@@ -841,7 +1155,6 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
                             f"{mem_gib} GiB{hint}")
         result["exit"] = 1
     return result
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
@@ -1056,15 +1369,31 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser.add_argument("--global_batch", type=_bounded(int, 0), default=0,
                             help="sequences per step (0: one per GPU)")
         parser.add_argument("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
-        parser.add_argument("--gpu", choices=GPUS, default="b300", help="GPU kind: peak bf16 TFLOP/s and memory")
+        parser.add_argument("--gpu", choices=GPUS, default="b300",
+                            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
         parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
         parser.add_argument("--grad_sync", choices=("last", "every"), default="every",
                             help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) "
-                                 "| last (unsharded gradients held between micro-batches)")
+                                 "| last (unsharded gradients held between micro-batches; not searched: train.py "
+                                 "cannot run it)")
         parser.add_argument("--tokens", type=_bounded(float, 0, low_open=True), default=17e12,
                             help="training token budget")
         parser.add_argument("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
-                            help="assumed model FLOPs utilisation")
+                            help="the GPU's compute rate while it computes, as a fraction of its peak (communication "
+                                 "is added by the time model)")
+        parser.add_argument("--tflops", default="",
+                            help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on the GPU "
+                                 "(its tflops_per_device); overrides --mfu")
+        parser.add_argument("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
+        parser.add_argument("--nvlink_gbs", type=_bounded(float, 0), default=0,
+                            help="NVLink GB/s per GPU each way (0: the GPU kind's)")
+        parser.add_argument("--net_gbs", type=_bounded(float, 0), default=0,
+                            help="network GB/s per GPU each way between nodes (0: the GPU kind's default, "
+                                 "h100/h200/b200 50, b300 100)")
+        parser.add_argument("--latency_us", type=_bounded(float, 0), default=5.0,
+                            help="microseconds per step of a collective")
+        parser.add_argument("--search", type=train._parse_bool, nargs="?", const=True, default=True,
+                            help="also list the five fastest layouts that fit (--search=false: skip)")
         parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
         train_defaults = ["--preset=large"]
     if command in ("step", "moe"):

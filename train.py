@@ -91,6 +91,9 @@ class TrainConfig:
     dp_replicate: int = _flag(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R")
     ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
     ac: str = _flag("none", "activation checkpointing: none | full | selective")
+    keep_gathered: bool = _flag(False, "FSDP keeps every unit's parameters gathered from the first micro-batch's "
+                                       "forward to the last one's backward: one all-gather per step instead of two "
+                                       "per micro-batch, for the memory of the unsharded model in compute dtype")
     compile: bool = _flag(False, "torch.compile each transformer block")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
@@ -430,12 +433,16 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
     layers = moe_layers(model)
     counts_LE = torch.zeros(len(layers), model.cfg.n_experts, device=device)
     losses = torch.zeros(3, device=device)  # lm, aux, z
+    if tc.keep_gathered and hasattr(model, "set_reshard_after_forward"):
+        model.set_reshard_after_forward(False)  # the root too (FSDP2 keeps only the root's gathered by default)
     for i in range(n_micro):
         rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
         if hasattr(model, "set_requires_all_reduce"):
             # FSDP reduce-scatters every micro-batch (holding unsharded gradients across micro-batches would cost
             # a full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
             model.set_requires_all_reduce(i == n_micro - 1)
+            if tc.keep_gathered:  # the optimizer updates the shards: the last micro-batch frees the gathered copies
+                model.set_reshard_after_backward(i == n_micro - 1)
         with autocast:
             lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
                             doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
