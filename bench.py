@@ -56,7 +56,8 @@ COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiG
                     "fit, without allocating anything",
             "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
             "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
-TRAIN_FLAGS = [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [f"--{n}" for n in train.MODEL_FIELDS]
+TRAIN_FLAGS = (["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)]
+               + [f"--{n}" for n in train.MODEL_FIELDS])
 
 
 # ------------------------------------------------------------------------------------------------------------------

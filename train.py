@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -94,7 +95,8 @@ class TrainConfig:
     keep_gathered: bool = _flag(False, "FSDP keeps every unit's parameters gathered from the first micro-batch's "
                                        "forward to the last one's backward: one all-gather per step instead of two "
                                        "per micro-batch, for the memory of the unsharded model in compute dtype")
-    compile: bool = _flag(False, "torch.compile each transformer block")
+    compile: bool | None = _flag(None, "torch.compile each transformer block (default: on with CUDA, where it is "
+                                       "faster, off on CPU, where compiling costs more than it saves)")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
@@ -224,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
                                                       "with [train] and [model] tables; flags given here override it")
     kinds = {}  # "train.lr" / "model.n_layers": the function that parses the flag's text
     for f in fields(TrainConfig):
-        kinds[f"train.{f.name}"] = kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
+        kinds[f"train.{f.name}"] = kind = _parse_bool if f.type in (bool, bool | None) else type(f.default)
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"],
                             **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
     group = parser.add_argument_group("model overrides (default: the preset's value)")
@@ -253,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
                           ("resume_schedule", ("keep", "stretch"))):
         if getattr(tc, name) not in allowed:
             parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
+    if tc.compile is None:
+        tc = dataclasses.replace(tc, compile=parallel.use_cuda())
     return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
 
 
@@ -665,7 +669,10 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
     else:
         saved = checkpoint.load(resume_from, targets, config=resolved) if resume_from else None
     if saved is None:
-        resolved["run_id"] = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        run_id = [uuid.uuid4().hex[:12]]  # rank 0's, so that every rank names the run alike
+        if dist.is_initialized():
+            dist.broadcast_object_list(run_id, src=0)
+        resolved["run_id"] = run_id[0]
         return tc
     state.update(step=saved["step"], skipped=saved["skipped"])
     state["momentum"].copy_(torch.as_tensor(saved["momentum"]))

@@ -54,8 +54,8 @@ def test_tensorboard_holds_metrics_jsonl_once_per_step_across_a_restart(corpus_d
 
     launch_then_restart(corpus_dir, tmp_path, "--log_to=tensorboard")
     rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5, 6]  # metrics.jsonl keeps both launches' lines
-    latest = {r["step"]: scalars(r) for r in rows}  # what the restarted launch logged for the repeated steps
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the resumed launch dropped its replayed steps' lines
+    latest = {r["step"]: scalars(r) for r in rows}  # steps 3 and 4 as the restarted launch logged them
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -129,6 +129,7 @@ def test_run_from_its_config_json_is_the_same_run(corpus_dir, tmp_path):
     train.main(replay, replay_overrides)
     saved = [json.loads((d / "config.json").read_text()) for d in (first, again)]
     saved[1]["train"]["out_dir"] = saved[0]["train"]["out_dir"]
+    assert saved[0].pop("run_id") != saved[1].pop("run_id")  # each run its own id
     assert saved[0] == saved[1] and saved[0]["model"]["n_layers"] == 2
     assert [r["loss"] for r in metrics(first)] == [r["loss"] for r in metrics(again)]
 

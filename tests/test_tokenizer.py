@@ -143,7 +143,8 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path, capsys):
         train.main(*train.parse_args(b_flags))
     with pytest.raises(data.DataError, match=f"was trained with another vocabulary than the {data_b['tokenizer']} "
                                              f"tokens of the data; prepare the data with"):
-        train.main(*train.parse_args(b_flags + ["--resume=none", f"--init_from_hf={tmp_path / 'hf_a'}"]))
+        train.main(*train.parse_args(run_args(tmp_path / "data_b", tmp_path / "run_b", "--steps=2",
+                                              f"--tokenizer={tok_b}", f"--init_from_hf={tmp_path / 'hf_a'}")))
     weights_only = shutil.copytree(tmp_path / "hf_a", tmp_path / "weights_only",
                                    ignore=shutil.ignore_patterns("tokenizer*"))
     data.check_vocabulary(data_b, str(weights_only))  # nothing to compare with: a warning, not a refusal

@@ -126,3 +126,12 @@ def test_too_many_non_finite_steps_stop_the_run(corpus_dir, tmp_path):
                                               "--max_bad_steps=1"))
     with pytest.raises(RuntimeError, match="non-finite steps in a row, the last at step 2"):
         train.main(tc, overrides)
+
+
+def test_compile_defaults_on_with_cuda_only(monkeypatch):
+    """Blocks compile by default where a GPU computes (there it is faster), not on the CPU; a flag or a config file
+    decides otherwise."""
+    assert train.parse_args([])[0].compile is False  # the tests choose the CPU (NANOTITAN_DEVICE=cpu)
+    monkeypatch.setattr(train.parallel, "use_cuda", lambda: True)
+    assert train.parse_args([])[0].compile is True
+    assert train.parse_args(["--compile=false"])[0].compile is False
