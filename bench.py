@@ -544,7 +544,7 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
 # bench.py moe: one MoE layer, three ways
 
 def init_(module: nn.Module, std: float):
-    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does (SPEC §2)."""
+    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does."""
     with torch.no_grad():
         for p in module.parameters():
             nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)

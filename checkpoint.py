@@ -363,7 +363,7 @@ def _resolved_config(config, model) -> dict:
 @contextmanager
 def _step_hooks_silenced(optim):
     """get/set_state_dict take a zero-lr optimizer step to create missing state; step hooks (the expert-bias
-    update, SPEC §4) must not fire on it."""
+    update) must not fire on it."""
     saved = optim._optimizer_step_pre_hooks.copy(), optim._optimizer_step_post_hooks.copy()
     optim._optimizer_step_pre_hooks.clear()
     optim._optimizer_step_post_hooks.clear()

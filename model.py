@@ -2,8 +2,9 @@
 The AfMoE transformer (Arcee's Trinity models): a sparse Mixture-of-Experts language model with sigmoid top-k
 routing over many small experts plus a shared expert, and 3:1 sliding-window / global attention.
 
-This file knows nothing about ranks or devices: parallel.py transforms the plain model in place. Every number
-comes from SPEC.md §1-3 and §7; transformers' `afmoe` model is the reference for the forward pass.
+This file knows nothing about ranks or devices: parallel.py transforms the plain model in place. The presets and
+constants are the Trinity technical report's (Arcee AI, 2026); transformers' `afmoe` model is the reference for
+the forward pass.
 
     python model.py                # print every preset's parameter and FLOP counts (no allocation)
     python model.py --preset tiny  # one forward pass of `tiny` on CPU
@@ -53,8 +54,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     mup: bool = True                # embedding activations x sqrt(dim)
-    aux_loss_coef: float = 1e-4     # sequence-wise balance loss (SPEC §4)
-    z_loss_coef: float = 1e-6       # router z-loss (SPEC §4)
+    aux_loss_coef: float = 1e-4     # sequence-wise balance loss α
+    z_loss_coef: float = 1e-6       # router z-loss (larger destabilised Trinity Large)
 
     def __post_init__(self):
         problems = [f"{name}={getattr(self, name)} must be at least 1" for name in
@@ -149,7 +150,7 @@ class ModelConfig:
         return cfg
 
 
-# SPEC §1 (Trinity report, Table 1). The released models use a 200192-token vocabulary; training here sizes the
+# The Trinity report's Table 1 (tiny is ours). The released models use a 200192-token vocabulary; training here sizes the
 # embedding from its tokenizer, so train.py overrides vocab_size.
 PRESETS = {
     # CPU-sized but structurally faithful: 256 routed experts, top-4, 1 shared, a dense first layer, 3 local : 1 global.
@@ -241,7 +242,7 @@ def _warn_once(message: str, _seen=set()):
 
 
 def use_flex(device: torch.device) -> bool:
-    # Flex attention has no backward on CPU (SPEC §8), so CPU always takes the exact SDPA path.
+    # Flex attention has no backward on CPU, so CPU always takes the exact SDPA path.
     return device.type == "cuda"
 
 
@@ -288,7 +289,7 @@ def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
 
 class Attention(nn.Module):
     """GQA with per-head q/k RMSNorm, RoPE on local layers only (global layers are NoPE) and an elementwise
-    sigmoid output gate: o = o_proj(attn * sigmoid(gate_proj(x))) (SPEC §2)."""
+    sigmoid output gate: o = o_proj(attn * sigmoid(gate_proj(x)))."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -363,7 +364,7 @@ class FeedForward(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Mixture of experts (SPEC §3)
+# Mixture of experts
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     """Why torch's grouped GEMM cannot run these operands, or None when it can."""
@@ -491,7 +492,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        # Selection bias, updated by the balancing rule once per optimizer step, never by gradients (SPEC §3-4).
+        # Selection bias, updated by the balancing rule once per optimizer step, never by gradients.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.counts_E = self.aux_loss = self.z_loss = None
         # How rows are added back into tokens: "index_add" (fastest on CPU, deterministic there), "gather" (no
@@ -500,7 +501,7 @@ class MoE(nn.Module):
 
     def route(self, x_ND):
         """Returns (expert ids [N, K], gate weights [N, K], sigmoid scores [N, E], router logits [N, E])."""
-        with torch.autocast(x_ND.device.type, enabled=False):  # fp32 router (SPEC §3), also under autocast
+        with torch.autocast(x_ND.device.type, enabled=False):  # the router runs in fp32, also under autocast
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
         _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
@@ -538,7 +539,8 @@ class MoE(nn.Module):
         return y_ND.view(B, T, D)
 
     def balance_loss(self, experts_NK, scores_NE, B, T):
-        """aux_loss_coef * mean over sequences of sum_i f_i * P_i (SPEC §4)."""
+        """aux_loss_coef * mean over sequences of sum_i f_i * P_i, with f_i = E/(K*T) * (tokens of the sequence whose
+        top-k holds i) and P_i = mean over its tokens of s_i / sum_j s_j."""
         E, K = self.n_experts, self.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
@@ -546,7 +548,7 @@ class MoE(nn.Module):
         return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
 
-# --- expert load balancing (SPEC §4): run once per optimizer step on the counts of the whole global batch
+# --- expert load balancing: run once per optimizer step on the counts of the whole global batch
 
 def max_vio(counts_E: torch.Tensor) -> float:
     """The report's balance metric: max_i (n_i - mean n) / mean n."""
@@ -731,7 +733,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, draw=None):
-        """Initialise every parameter and buffer (SPEC §2): truncated normal on [-3σ, 3σ] for weights, unit
+        """Initialise every parameter and buffer : truncated normal on [-3σ, 3σ] for weights, unit
         pre-norm gains, 1/sqrt(n_layers) post-norm gains, zero expert bias. Works shard by shard on DTensors
         after `to_empty`, so a large model is never materialised on one device. `draw(tensor, init)` applies each
         init in place, in a fixed order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
@@ -788,7 +790,7 @@ class Transformer(nn.Module):
         terms = [t for moe in self.moe_layers() for t in (moe.aux_loss, moe.z_loss) if t is not None]
         return sum(terms) if terms else torch.zeros(())
 
-    # --- counting (SPEC §1, §7): works on a meta-device model, so `large` is never allocated
+    # --- counting: works on a meta-device model, so `large` is never allocated
 
     def num_params(self) -> dict:
         total = sum(p.numel() for p in self.parameters())

@@ -2,10 +2,10 @@
 Parallelism for the plain model of model.py: HSDP (FSDP2 groups × replicas) for every parameter, expert parallelism
 (EP) for the routed experts, activation checkpointing and per-block torch.compile, applied to the model in place.
 
-Layout (SPEC §6): one DeviceMesh [dp_replicate, efsdp, ep] with ep innermost, so an EP group is `ep` consecutive
+Layout: one DeviceMesh [dp_replicate, efsdp, ep] with ep innermost, so an EP group is `ep` consecutive
 ranks (one node). Dense parameters are FSDP-sharded over dp_shard = efsdp × ep and replicated over dp_replicate;
 routed experts are split E/ep per EP rank, FSDP-sharded over efsdp and replicated over dp_replicate. Every rank is
-a data-parallel rank: it reads its own slice of the global batch. The Muon optimizer (SPEC §5) lives here too: it
+a data-parallel rank: it reads its own slice of the global batch. The Muon optimizer lives here too: it
 orthogonalises each matrix whole without any rank gathering more than its share of them.
 
     torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
@@ -178,7 +178,7 @@ def finish(code: int) -> int:
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks, in place (a no-op in one process). Every rank is a data-parallel rank, so summing the
-    tokens-per-expert counts over all ranks gives the whole global batch's counts (SPEC §4) on every rank."""
+    tokens-per-expert counts over all ranks gives the whole global batch's counts on every rank."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -537,7 +537,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Muon (SPEC §5): orthogonalised momentum for the hidden matrices, AdamW for the rest, on sharded parameters
+# Muon: orthogonalised momentum for the hidden matrices, AdamW for the rest, on sharded parameters
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
 
@@ -608,7 +608,7 @@ class Muon(torch.optim.Optimizer):
     Muon on a matrix of shape [O, F] (fan-out x fan-in, nn.Linear's layout):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
-    which is torch.optim.Muon with adjust_lr_fn="original" (SPEC §5), batched over stacked matrices. Every group's
+    which is torch.optim.Muon with adjust_lr_fn="original", batched over stacked matrices. Every group's
     effective LR is lr·lr_scale: train.py sets the same scheduled lr in every group, and lr_scale (the Muon peak
     over the AdamW peak) gives the Muon group its own peak on the same schedule.
 

@@ -9,7 +9,7 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
 
 Each optimizer step: the rank's slice of the global batch, split into micro-batches with gradient accumulation,
 gradient clipping over the whole model, one optimizer step, then one expert-bias update from the tokens-per-expert
-counts of the whole global batch (SPEC §4). Logs go to the console, to OUT_DIR/metrics.jsonl and, with
+counts of the whole global batch. Logs go to the console, to OUT_DIR/metrics.jsonl and, with
 --log_to=tensorboard,wandb, to TensorBoard and Weights & Biases.
 
 Under `torchrun --max-restarts=N`, a job whose rank dies restarts and resumes from the newest complete checkpoint by
@@ -75,13 +75,13 @@ class TrainConfig:
     beta2: float = _flag(0.95, "AdamW beta2")
     optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, shared and "
                                     "routed experts) and AdamW at --lr for the embedding, head, router and norms "
-                                    "(SPEC §5)")
+                                    "(as Trinity trained)")
     muon_lr: float = _flag(5e-2, "peak LR of the Muon matrices, on --lr's schedule; each matrix's step is scaled "
                                  "by sqrt(max(1, fan_out/fan_in))")
     muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
     grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
     seed: int = _flag(0, "seed for initialisation and data order")
-    # expert load balancing (SPEC §4)
+    # expert load balancing (the bias rules are model.update_expert_bias's)
     balance: str = _flag("smebu", "expert-bias update once per step: smebu | sign | none")
     smebu_lambda: float = _flag(5e-4, "SMEBU step size λ")
     smebu_beta: float = _flag(0.5, "SMEBU momentum β")
@@ -351,7 +351,7 @@ def lr_schedule(tc: TrainConfig, schedule_steps: int, say) -> TrainConfig:
     return tc
 
 
-# Dense bf16 peaks (SPEC §7). B300's gains are in FP4, not bf16.
+# Dense bf16 peaks in TFLOP/s, for MFU (unknown devices report n/a). B300's gains are in FP4, not bf16.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0, "A100": 312.0}
 
 
@@ -366,7 +366,7 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 def build_optimizer(model, tc: TrainConfig, fused: bool = True):
     """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
-    --optimizer=muon (SPEC §5): parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
+    --optimizer=muon: parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
     routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
     and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
     couple and equalise whatever each expert's load (AdamW keeps them independent).

@@ -1,4 +1,4 @@
-"""Expert load balancing (SPEC §4): the bias update rules by hand, the auxiliary loss by brute force, MaxVio,
+"""Expert load balancing: the bias update rules by hand, the auxiliary loss by brute force, MaxVio,
 and a collapse drill where SMEBU and the sign rule must undo a router skewed toward a few experts."""
 
 import json

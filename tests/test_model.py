@@ -355,7 +355,7 @@ def test_counts_and_expert_bias_untouched_by_gradients():
 
 def reference_moe(moe, x_BTD):
     """The MoE block token by token, written out: each token through its k chosen experts and the shared expert,
-    and the balance losses by their SPEC §4 definitions with explicit loops over sequences."""
+    and the balance losses by their definitions with explicit loops over sequences."""
     B, T, D = x_BTD.shape
     E, K = moe.n_experts, moe.top_k
     x_ND = x_BTD.reshape(-1, D)

@@ -57,7 +57,7 @@ def batches():
 
 @torch.no_grad()
 def update_expert_bias(model, counts_LE):
-    """The sign rule of SPEC §4 on the global batch's counts (a large step, so routing changes between steps)."""
+    """The sign rule on the global batch's counts (a large step, so routing changes between steps)."""
     for moe, counts_E in zip(model.moe_layers(), counts_LE.float()):
         delta_E = BIAS_STEP * torch.sign(counts_E.mean() - counts_E)
         moe.expert_bias += delta_E - delta_E.mean()
