@@ -933,7 +933,9 @@ if __name__ == "__main__":
         # A bad flag or layout fails alike on every rank: rank 0 says it. Data can be one rank's own (a bad token in
         # its rows): every rank says its own.
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
+            time.sleep(2)
         sys.exit(1 if isinstance(e, checkpoint.SaveFailed) else 2)
     except KeyboardInterrupt:  # before the loop (nothing to save yet), or a second Ctrl-C
         print("interrupted: no checkpoint written; exiting", file=sys.stderr)
