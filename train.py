@@ -467,7 +467,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
     parallel.all_reduce_sum_(losses)
     losses /= world_size()
     grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(losses).all())
+    finite = bool(torch.isfinite(torch.cat([grad_norm.reshape(1).to(losses), losses])).all())  # one host read
     if finite:
         optimizer.step()
         state["bad_steps"] = 0
@@ -479,9 +479,9 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
         for l, moe in enumerate(layers):
             update_expert_bias(moe.expert_bias, counts_LE[l], state["momentum"][l], tc.balance, tc.smebu_lambda,
                                tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
-    return {"loss": losses[0].item() + losses[1].item() + losses[2].item(), "lm_loss": losses[0].item(),
-            "aux_loss": losses[1].item(), "z_loss": losses[2].item(), "grad_norm": grad_norm.item(),
-            "finite": finite, "counts_LE": counts_LE}
+    lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read for the metrics
+    return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
+            "counts_LE": counts_LE}
 
 
 def balance_metrics(counts_LE: torch.Tensor, layers) -> dict:
