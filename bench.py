@@ -130,9 +130,10 @@ def max_over_ranks(value: float) -> float:
 # Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
 SCOPE = "bench::"
+PHASE = "train_step::"  # the ranges train.train_step marks its phases with
 COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
                 "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
-STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's own work, neither forward nor backward
+STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that are components of their own
 
 
 def _in_range(fn, name: str):
@@ -179,22 +180,24 @@ def model_targets(model, blocks: bool = True) -> list:
         targets += [(norm, "forward", "norms")
                     for norm in (block.attn_norm, block.attn_post_norm, block.ffn_norm, block.ffn_post_norm)]
         targets += moe_targets(block.ffn) if isinstance(block.ffn, MoE) else [(block.ffn, "forward", "dense FFN")]
-    return targets + [(parallel, "clip_grad_norm_", "grad clip"), (train, "update_expert_bias", "expert-bias update")]
+    return targets
 
 
-def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
-    """Self time of every profiled op, attributed to the innermost bench:: range around it; a backward op to the range
-    of the forward op that created its autograd node (matched by sequence number). Returns ({label: {fwd, bwd,
-    total}} in ms per step, {label: {name: [calls, ms]} per step}): the second is each component's fingerprint, the
-    device kernels its ops launched (on a GPU) or the CPU ops it ran, by name."""
+def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
+    """Self time of every profiled op, attributed to the innermost bench:: range around it (or train_step's grad clip
+    and expert-bias update ranges); a backward op to the range of the forward op that created its autograd node
+    (matched by sequence number). Returns ({label: {fwd, bwd, total}} in ms per step, {label: {name: [calls, ms]}
+    per step}, {phase: ms per step}): the second is each component's fingerprint, the device kernels its ops launched
+    (on a GPU) or the CPU ops it ran, by name; the third the same time by train_step's phases, in step order (a
+    backward op in "backward" wherever autograd runs it, an op outside every phase in "other")."""
     def self_us(e):
         return e.self_device_time_total if on_device else e.self_cpu_time_total
 
     def owner(e):
         while e is not None:
             name = e.name
-            if name.startswith(SCOPE):
-                label = name[len(SCOPE):]
+            if name.startswith(SCOPE) or name.startswith(PHASE) and name[len(PHASE):] in STEP_LABELS:
+                label = name.split("::", 1)[1]
                 return label, "total" if label in STEP_LABELS else "fwd"
             if name.startswith("Optimizer."):
                 return "optimizer", "total"
@@ -204,6 +207,15 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
                 return None, e
             e = e.cpu_parent
         return "other", "total"
+
+    def phase(e):
+        while e is not None:
+            if e.name.startswith(PHASE):
+                return e.name[len(PHASE):]
+            if e.name.startswith("autograd::engine::evaluate_function"):
+                return "backward"
+            e = e.cpu_parent
+        return "other"
 
     resolved, forward_of = [], {}
     for e in sorted(events, key=lambda e: e.time_range.start):
@@ -215,9 +227,13 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
         resolved.append((e, label, where))
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
     ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    phases = defaultdict(float)
     for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
+        phases[phase(e)] += self_us(e) / 1e3 / steps
+        if e.name.startswith(PHASE) and e.name[len(PHASE):] not in STEP_LABELS:
+            continue  # a phase's own time (python between its ops) belongs to no component
         if label is None:  # inside a backward node
             label = forward_of.get((where.fwd_thread, where.sequence_nr),
                                    "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
@@ -228,7 +244,7 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict]:
             ops[label][name][1] += us / 1e3 / steps
     for row in table.values():
         row["total"] += row["fwd"] + row["bwd"]
-    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}
+    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, dict(phases)
 
 
 def merged(ops: dict, scale: float = 1.0) -> dict:
@@ -242,32 +258,35 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
     return {name: [round(calls, 3), ms] for name, (calls, ms) in out.items()}
 
 
-def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float]:
-    """Run fn `steps` times under the profiler with `targets` wrapped; returns (components, ops, wall ms per step)."""
+def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
+    """Run fn `steps` times under the profiler with `targets` wrapped; returns (components, ops, wall ms per step,
+    phases)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
         wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
-    table, ops = attribute(prof.events(), device.type == "cuda", steps)
-    return table, ops, wall
+    table, ops, phases = attribute(prof.events(), device.type == "cuda", steps)
+    return table, ops, wall, phases
 
 
-def median_profile(runs: list) -> tuple[dict, dict, float]:
+def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
     """Several profile() results as one: each component's median times, and the median and quartiles of its share of
     the profiled step (profiled times are wall times, which a busy machine stretches in every component alike), each
-    kernel's mean calls and time, the median wall time."""
+    kernel's mean calls and time, the median wall time, each phase's median time."""
     zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
     table = {}
-    for label in set().union(*(t for t, _, _ in runs)):
-        rows = [t.get(label, zero) for t, _, _ in runs]
-        q = spread([t.get(label, zero)["total"] / wall for t, _, wall in runs])
+    for label in set().union(*(t for t, _, _, _ in runs)):
+        rows = [t.get(label, zero) for t, _, _, _ in runs]
+        q = spread([t.get(label, zero)["total"] / wall for t, _, wall, _ in runs])
         table[label] = {k: statistics.median(row[k] for row in rows) for k in zero}
         table[label] |= {"share": q["ms_median"], "share_p25": q["ms_p25"], "share_p75": q["ms_p75"]}
-    labels = set().union(*(ops for _, ops, _ in runs))
-    kernels = {label: merged({i: ops.get(label, {}) for i, (_, ops, _) in enumerate(runs)}, 1 / len(runs))
+    labels = set().union(*(ops for _, ops, _, _ in runs))
+    kernels = {label: merged({i: ops.get(label, {}) for i, (_, ops, _, _) in enumerate(runs)}, 1 / len(runs))
                for label in labels}
-    return table, kernels, statistics.median(wall for _, _, wall in runs)
+    order = sorted(dict.fromkeys(label for *_, p in runs for label in p), key=lambda label: label == "other")
+    phases = {label: statistics.median(p.get(label, 0.0) for *_, p in runs) for label in order}
+    return table, kernels, statistics.median(wall for _, _, wall, _ in runs), phases
 
 
 def print_components(table: dict, wall_ms: float, say, what: str):
@@ -285,44 +304,6 @@ def print_components(table: dict, wall_ms: float, say, what: str):
 
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py [train flags]: the training step
-
-def time_phases(model, optimizer, step, device: torch.device, steps: int) -> dict:
-    """ms per step of each phase of train.train_step, from hooks that synchronise and read the clock at the phase
-    boundaries (model forward pre/post hooks, the first all_reduce_sum_ after backward, optimizer pre/post hooks).
-    Synchronising stops compute/communication overlap, so this runs apart from the timed steps."""
-    marks = []
-
-    def mark(label):
-        sync(device)
-        marks.append((label, clock()))
-
-    all_reduce = parallel.all_reduce_sum_
-
-    def all_reduce_marked(tensor):
-        if marks and marks[-1][0] == "backward":
-            mark("all-reduces, grad clip")
-        return all_reduce(tensor)
-
-    handles = [model.register_forward_pre_hook(lambda m, a: mark("forward"), prepend=True),
-               model.register_forward_hook(lambda m, a, o: mark("backward")),
-               optimizer.register_step_pre_hook(lambda o, a, k: mark("optimizer")),
-               optimizer.register_step_post_hook(lambda o, a, k: mark("zero_grad, expert-bias update"))]
-    parallel.all_reduce_sum_ = all_reduce_marked
-    try:
-        for _ in range(steps):
-            mark("batch to device")
-            step()
-            mark("end")
-    finally:
-        parallel.all_reduce_sum_ = all_reduce
-        for h in handles:
-            h.remove()
-    phases = defaultdict(float)
-    for (label, t0), (_, t1) in zip(marks, marks[1:]):
-        if label != "end":
-            phases[label] += (t1 - t0) * 1e3 / steps
-    return dict(phases)
-
 
 def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
@@ -380,15 +361,15 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         f"{tflops:.3f} TFLOP/s per device; MFU {mfu}")
     say(f"peak memory: {result['peak_mem_gib']:.2f} GiB per device ({result['peak_mem_kind']}, max over ranks)")
     if args.breakdown:
-        result["phases_ms"] = time_phases(model, optimizer, step, device, min(3, args.iters))
+        runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
+        table, kernels, wall, result["phases_ms"] = median_profile(runs)
         total = sum(result["phases_ms"].values())
-        say("phases (a separate pass: hooks synchronise and read the clock at each boundary; FSDP all-gathers and "
-            "reduce-scatters run inside forward and backward; forward includes the output head's gradients, which "
-            "the fused loss computes with the loss):")
+        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
+            f"train_step's ranges, backward ops wherever autograd runs them; FSDP all-gathers and reduce-scatters run "
+            f"inside forward and backward; forward includes the output head's gradients, which the fused loss "
+            f"computes with the loss):")
         for label, v in result["phases_ms"].items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
-        runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
-        table, kernels, wall = median_profile(runs)
         result.update(components_ms=table, kernels=kernels, step_kernels=merged(kernels))
         print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
                          + (", the compiled blocks not split" if tc.compile else ""))
@@ -554,10 +535,8 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
     """One forward and backward of a layer, the way training runs it: the MoE's balance losses join the loss."""
     x_BTD = x_BTD.detach().requires_grad_()
     with autocast:
-        y_BTD = module(x_BTD)
-        loss = (y_BTD.float() * dy_BTD).sum()
-        if isinstance(module, MoE):
-            loss = loss + sum(t for t in (module.aux_loss, module.z_loss) if t is not None)
+        y_BTD, (_, aux_loss, z_loss) = module(x_BTD) if isinstance(module, MoE) else (module(x_BTD), (None, 0, 0))
+        loss = (y_BTD.float() * dy_BTD).sum() + aux_loss + z_loss
     loss.backward()
     return y_BTD.detach(), x_BTD.grad
 
@@ -656,7 +635,7 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
             f"{result['ep_vs_local_max_diff']:.1e})")
     if args.breakdown:
-        table, ops, wall = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
+        table, ops, wall, _ = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
         result["components_ms"] = table
         print_components(table, wall, say, "the grouped MoE layer")
         top = sorted(merged(ops).items(), key=lambda kv: -kv[1][1])[:10]

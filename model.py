@@ -13,6 +13,7 @@ the forward pass.
     model = Transformer(PRESETS["tiny"])
     logits_BTV = model(tokens_BT)
     loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)  # head and cross-entropy fused
+    loss, stats = model(tokens_BT, targets_BT=targets_BT, return_stats=True)  # + RouterStats: counts, balance losses
     tokens_BS = model.generate(prompt_BT, 64, temperature=0.8, top_k=50)  # KV-cached sampling
 
 Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
@@ -475,15 +476,25 @@ def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=ids_M.device).scatter_add_(0, ids_M, torch.ones_like(ids_M))
 
 
+@dataclass
+class RouterStats:
+    """What the routers of all MoE layers did in one forward: the expert-bias update and the metrics read the counts,
+    training adds both losses (each already times its coefficient) to the LM loss."""
+    counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
+    aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
+    z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
+
+    @property
+    def balance_loss(self) -> torch.Tensor:
+        return self.aux_loss + self.z_loss
+
+
 class MoE(nn.Module):
     """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping, no capacity factor.
 
-    After each forward the block keeps, for load balancing and metrics (train.py reads them):
-      counts_E  tokens routed to each expert in this forward (on this rank, before any expert-parallel exchange)
-      aux_loss  the sequence-wise balance loss times aux_loss_coef (part of the graph)
-      z_loss    the router z-loss times z_loss_coef (part of the graph)
-    Activation checkpointing re-runs forward during backward; it overwrites these with identical values, so a
-    reader that collects them right after the forward counts every token once."""
+    forward returns (y_BTD, (counts_E, aux_loss, z_loss)): its output and this layer's share of RouterStats, as plain
+    tensors, so that compiled, checkpointed and FSDP-wrapped blocks pass them through. Activation checkpointing
+    re-runs forward during backward but returns the first forward's outputs, so every token is counted once."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -494,7 +505,6 @@ class MoE(nn.Module):
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         # Selection bias, updated by the balancing rule once per optimizer step, never by gradients.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
-        self.counts_E = self.aux_loss = self.z_loss = None
         # How rows are added back into tokens: "index_add" (fastest on CPU, deterministic there), "gather" (no
         # atomics: bitwise reproducible on CUDA too), "auto" (gather on CUDA, index_add elsewhere).
         self.combine = "auto"
@@ -515,9 +525,9 @@ class MoE(nn.Module):
         experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
 
         counts_E = count_ids(experts_NK.flatten(), self.n_experts)
-        self.counts_E = counts_E.detach()
-        self.aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else None
-        self.z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else None
+        zero = torch.zeros((), device=x_ND.device)
+        aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else zero
+        z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else zero
 
         # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows (the gate
         # scales each row inside the expert), add each row into its token.
@@ -536,7 +546,7 @@ class MoE(nn.Module):
             y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.top_k, D).sum(1)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
-        return y_ND.view(B, T, D)
+        return y_ND.view(B, T, D), (counts_E, aux_loss, z_loss)
 
     def balance_loss(self, experts_NK, scores_NE, B, T):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i, with f_i = E/(K*T) * (tokens of the sequence whose
@@ -715,8 +725,11 @@ class Block(nn.Module):
         self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, init_gain=post_gain)
 
     def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: KVCache | None = None):
+        """(x_BTD, the MoE's (counts_E, aux_loss, z_loss), or None in a dense block)."""
         x_BTD = x_BTD + self.attn_post_norm(self.attn(self.attn_norm(x_BTD), cos_TDh, sin_TDh, mask, cache))
-        return x_BTD + self.ffn_post_norm(self.ffn(self.ffn_norm(x_BTD)))
+        h_BTD = self.ffn_norm(x_BTD)
+        y_BTD, router = self.ffn(h_BTD) if isinstance(self.ffn, MoE) else (self.ffn(h_BTD), None)
+        return x_BTD + self.ffn_post_norm(y_BTD), router
 
 
 class Transformer(nn.Module):
@@ -754,11 +767,13 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
-    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None):
+    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None,
+                return_stats: bool = False):
         """Logits [B, T, V]; with targets instead the mean token cross-entropy (head_loss). doc_ids_BT (document
-        index per token) restricts attention to each token's document. The MoE balance losses of this forward are
-        in balance_loss(). With a cache (new_cache), tokens_BT continue the cached ones (the whole prompt first,
-        then one token a call), attention is always SDPA, and only the last position's logits [B, 1, V] are made."""
+        index per token) restricts attention to each token's document. return_stats: (that, RouterStats), the
+        routers' counts and balance losses, as training needs them. With a cache (new_cache), tokens_BT continue the
+        cached ones (the whole prompt first, then one token a call), attention is always SDPA, and only the last
+        position's logits [B, 1, V] are made."""
         B, T = tokens_BT.shape
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
@@ -768,14 +783,21 @@ class Transformer(nn.Module):
         window = self.cfg.window if self.cfg.window < T else None
         masks = {False: make_mask(T, window, doc_ids_BT, tokens_BT.device, flex),
                  True: make_mask(T, None, doc_ids_BT, tokens_BT.device, flex)}
+        routers = []
         for block, layer_cache in zip(self.layers.values(), cache or [None] * len(self.layers)):
-            x_BTD = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
+            x_BTD, router = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
+            routers += [router] if router is not None else []
         if cache is not None:
-            return self.head(self.norm(x_BTD[:, -1:]))
-        h_BTD = self.norm(x_BTD)
-        if targets_BT is None:
-            return self.head(h_BTD)
-        return self.head_loss(h_BTD, targets_BT)
+            out = self.head(self.norm(x_BTD[:, -1:]))
+        else:
+            h_BTD = self.norm(x_BTD)
+            out = self.head(h_BTD) if targets_BT is None else self.head_loss(h_BTD, targets_BT)
+        if not return_stats:
+            return out
+        zero = torch.zeros((), device=x_BTD.device)
+        counts_LE = (torch.stack([c for c, _, _ in routers]) if routers
+                     else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64, device=x_BTD.device))
+        return out, RouterStats(counts_LE, sum((a for _, a, _ in routers), zero), sum((z for _, _, z in routers), zero))
 
     def head_loss(self, h_BTD, targets_BT):
         """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits."""
@@ -783,12 +805,6 @@ class Transformer(nn.Module):
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
             return _HeadCrossEntropy.apply(h_ND, self.head.weight, targets_N)
         return head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)[0]
-
-    def balance_loss(self):
-        """The sequence-wise auxiliary loss plus the router z-loss of the last forward, summed over MoE layers
-        (each already times its coefficient): add it to the LM loss for training."""
-        terms = [t for moe in self.moe_layers() for t in (moe.aux_loss, moe.z_loss) if t is not None]
-        return sum(terms) if terms else torch.zeros(())
 
     # --- counting: works on a meta-device model, so `large` is never allocated
 

@@ -427,12 +427,19 @@ def world_size() -> int:
 
 # --- one optimizer step: the piece bench.py times as well
 
+def phase(name: str):
+    """A profiler range `train_step::name` around one phase of the step, which bench.py reads from its profile; without
+    a running profiler it costs a few microseconds."""
+    return torch.profiler.record_function("train_step::" + name)
+
+
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, poison: bool = False) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias
     update. `state` holds the balancing momentum ("momentum": [L, E]) and the bad-step counter. Returns metrics
     (losses averaged over the global batch, global tokens-per-expert counts)."""
     device = loader_device(model)
-    tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
+    with phase("batch to device"):
+        tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
     n_micro = tokens_BT.shape[0] // tc.micro_batch
     layers = moe_layers(model)
     counts_LE = torch.zeros(len(layers), model.cfg.n_experts, device=device)
@@ -447,38 +454,36 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
             model.set_requires_all_reduce(i == n_micro - 1)
             if tc.keep_gathered:  # the optimizer updates the shards: the last micro-batch frees the gathered copies
                 model.set_reshard_after_backward(i == n_micro - 1)
-        with autocast:
-            lm_loss = model(tokens_BT[rows], targets_BT=targets_BT[rows],
-                            doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None)
-            balance_loss = model.balance_loss()
+        with autocast, phase("forward"):
+            lm_loss, router = model(tokens_BT[rows], targets_BT=targets_BT[rows],
+                                    doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None, return_stats=True)
             if poison:
                 lm_loss = lm_loss * float("nan")
-        ((lm_loss + balance_loss) / n_micro).backward()
-        # Read right after the forward: activation checkpointing re-runs forward in backward and overwrites these
-        # with identical values, so each token is counted exactly once.
-        for l, moe in enumerate(layers):
-            counts_LE[l] += moe.counts_E
-        zero = torch.zeros((), device=device)
-        losses += torch.stack([lm_loss.detach().float(),
-                               sum((m.aux_loss.detach() for m in layers if m.aux_loss is not None), zero),
-                               sum((m.z_loss.detach() for m in layers if m.z_loss is not None), zero)]) / n_micro
+        with phase("backward"):
+            ((lm_loss + router.balance_loss) / n_micro).backward()
+        counts_LE += router.counts_LE
+        losses += torch.stack([lm_loss.detach().float(), router.aux_loss.detach(), router.z_loss.detach()]) / n_micro
     # The global batch: counts summed over ranks, losses averaged.
-    parallel.all_reduce_sum_(counts_LE)
-    parallel.all_reduce_sum_(losses)
+    with phase("all-reduce counts, losses"):
+        parallel.all_reduce_sum_(counts_LE)
+        parallel.all_reduce_sum_(losses)
     losses /= world_size()
-    grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+    with phase("grad clip"):
+        grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
     finite = bool(torch.isfinite(torch.cat([grad_norm.reshape(1).to(losses), losses])).all())  # one host read
     if finite:
-        optimizer.step()
+        with phase("optimizer"):
+            optimizer.step()
         state["bad_steps"] = 0
     else:  # a NaN/Inf step changes nothing: no update, no bias move
         state["bad_steps"] = state.get("bad_steps", 0) + 1
         state["skipped"] = state.get("skipped", 0) + 1
     optimizer.zero_grad(set_to_none=True)
     if finite and tc.balance != "none" and (tc.bias_freeze_step < 0 or state["step"] < tc.bias_freeze_step):
-        for l, moe in enumerate(layers):
-            update_expert_bias(moe.expert_bias, counts_LE[l], state["momentum"][l], tc.balance, tc.smebu_lambda,
-                               tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
+        with phase("expert-bias update"):
+            for l, moe in enumerate(layers):
+                update_expert_bias(moe.expert_bias, counts_LE[l], state["momentum"][l], tc.balance, tc.smebu_lambda,
+                                   tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
     lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read for the metrics
     return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
             "counts_LE": counts_LE}

@@ -60,7 +60,8 @@ def batch(T=256, B=2, seed=0):
 def loss_and_grads(model, tokens_BT, targets_BT, doc_ids_BT, autocast=False):
     model.zero_grad(set_to_none=True)
     with torch.autocast(CUDA.type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT) + model.balance_loss()
+        lm_loss, stats = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT, return_stats=True)
+        loss = lm_loss + stats.balance_loss
     loss.backward()
     return loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
@@ -166,7 +167,7 @@ def test_moe_block_is_bitwise_reproducible_on_cuda():
     for _ in range(2):
         moe.zero_grad(set_to_none=True)
         x = x_BTD.clone().requires_grad_()
-        y = moe(x)
+        y, _ = moe(x)
         y.backward(dy_BTD)
         runs.append([y, x.grad] + [p.grad.clone() for p in moe.parameters()])
     for first, second in zip(*runs):
@@ -187,8 +188,8 @@ def test_moe_layer_dispatch_has_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.autocast(CUDA.type, dtype=torch.bfloat16):
-            y = moe(x)
-        (y.float().square().mean() + moe.aux_loss + moe.z_loss).backward()
+            y, (_, aux_loss, z_loss) = moe(x)
+        (y.float().square().mean() + aux_loss + z_loss).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -346,10 +346,10 @@ def test_counts_and_expert_bias_untouched_by_gradients():
     cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
     model = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
-    loss = model(tokens, targets_BT=tokens)
-    (loss + model.balance_loss()).backward()
+    loss, stats = model(tokens, targets_BT=tokens, return_stats=True)
+    (loss + stats.balance_loss).backward()
+    assert stats.counts_LE.sum(-1).tolist() == [2 * 16 * cfg.top_k] * len(model.moe_layers())
     for moe in model.moe_layers():
-        assert moe.counts_E.sum().item() == 2 * 16 * cfg.top_k
         assert moe.expert_bias.grad is None and moe.router.weight.grad.abs().sum() > 0
 
 
@@ -379,7 +379,7 @@ def reference_moe(moe, x_BTD):
         p = (scores_NE[seq] / scores_NE[seq].sum(-1, keepdim=True)).mean(0)
         aux = aux + (f * p).sum() / B
     z = torch.logsumexp(logits_NE, -1).pow(2).mean()
-    return torch.stack(rows).view(B, T, D), moe.aux_loss_coef * aux, moe.z_loss_coef * z
+    return torch.stack(rows).view(B, T, D), (None, moe.aux_loss_coef * aux, moe.z_loss_coef * z)
 
 
 @pytest.mark.parametrize("combine", ["index_add", "gather"])  # CPU's default, and CUDA's atomic-free one
@@ -395,8 +395,7 @@ def test_moe_forward_and_gradients_match_token_by_token_reference(combine):
     for forward in (moe, lambda x: reference_moe(moe, x)):
         moe.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        out = forward(xi)
-        y, aux, z = out if isinstance(out, tuple) else (out, moe.aux_loss, moe.z_loss)
+        y, (_, aux, z) = forward(xi)
         ((y * dy).sum() + aux + z).backward()
         results.append([y, aux, z, xi.grad] + [p.grad.clone() for p in moe.parameters()])
     for ours, ref in zip(*results):
@@ -449,8 +448,8 @@ def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(150):
-        loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
-        loss = loss + model.balance_loss()
+        loss, stats = model(tokens[:, :-1], targets_BT=tokens[:, 1:], return_stats=True)
+        loss = loss + stats.balance_loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -45,8 +45,8 @@ def make_optimizer(model) -> parallel.Muon:
 def train_step(model, optimizer, batch, rank, world):
     local = GLOBAL_BATCH // world
     mine = batch[rank * local:(rank + 1) * local]
-    lm_loss = model(mine[:, :-1], targets_BT=mine[:, 1:])
-    (lm_loss + model.balance_loss()).backward()
+    lm_loss, stats = model(mine[:, :-1], targets_BT=mine[:, 1:], return_stats=True)
+    (lm_loss + stats.balance_loss).backward()
     optimizer.step()
     optimizer.zero_grad()
 

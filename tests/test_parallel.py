@@ -79,11 +79,11 @@ def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_syn
             if no_sync:
                 model.set_requires_gradient_sync(i == accum - 1)
             micro = mine[i * micro_batch:(i + 1) * micro_batch].to(device)
-            lm_loss = model(micro[:, :-1], targets_BT=micro[:, 1:])
-            loss = lm_loss + model.balance_loss()  # aux and z-losses: their gradients reach the router too
+            lm_loss, stats = model(micro[:, :-1], targets_BT=micro[:, 1:], return_stats=True)
+            loss = lm_loss + stats.balance_loss  # aux and z-losses: their gradients reach the router too
             (loss / accum).backward()
             loss_sum += loss.detach() / accum
-            counts_LE += torch.stack([moe.counts_E for moe in model.moe_layers()])
+            counts_LE += stats.counts_LE
         all_reduce_sum_(loss_sum)
         all_reduce_sum_(counts_LE)
         if step == 0:  # the first step's full gradients: AdamW hides a wrongly scaled gradient, this does not
