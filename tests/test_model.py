@@ -1,5 +1,6 @@
 """model.py against independent references: transformers' afmoe, brute-force masks, a per-expert loop."""
 
+import copy
 import math
 import warnings
 from dataclasses import replace
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
+import parallel
 from checkpoint import from_hf_state_dict, to_hf_state_dict
 from model import PRESETS, GroupedExperts, ModelConfig, RMSNorm, Transformer, make_mask, meta_model
 
@@ -351,6 +353,25 @@ def test_counts_and_expert_bias_untouched_by_gradients():
     assert stats.counts_LE.sum(-1).tolist() == [2 * 16 * cfg.top_k] * len(model.moe_layers())
     for moe in model.moe_layers():
         assert moe.expert_bias.grad is None and moe.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_router_stats_count_each_token_once_under_activation_checkpointing(ac):
+    """Activation checkpointing re-runs every block's forward during backward: the stats are the first run's, the
+    same counts and losses as without it, and the gradients match."""
+    cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
+    plain = Transformer(cfg)
+    checkpointed = copy.deepcopy(plain)
+    parallel.apply_ac(checkpointed, ac)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    runs = []
+    for model in (plain, checkpointed):
+        loss, stats = model(tokens, targets_BT=tokens, return_stats=True)
+        (loss + stats.balance_loss).backward()
+        runs.append([stats.counts_LE, stats.aux_loss, stats.z_loss, model.layers["1"].ffn.router.weight.grad])
+    assert runs[0][0].sum().item() == 2 * 16 * cfg.top_k * len(plain.moe_layers())
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b)
 
 
 def reference_moe(moe, x_BTD):
