@@ -307,23 +307,15 @@ def print_components(table: dict, wall_ms: float, say, what: str):
 
 def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
-    say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(tc.seed)
-    autocast, dtype = train.autocast_for(tc, device)
-    cfg = model_config(tc, overrides)
-    layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
-    layout.check(cfg, tc.global_batch, tc.micro_batch)
+    run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
+    cfg, layout, autocast, dtype, say = run.cfg, run.layout, run.autocast, run.dtype, run.say
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
     if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
         raise FileNotFoundError(f"--save={args.save}: its folder does not exist; create it or save elsewhere.")
-    mesh = parallel.build_mesh(layout, device.type)
-    model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
-                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
-                                 state_copies=train.state_copies(tc))
-    optimizer = train.build_optimizer(model, tc)
-    state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device),
-             "skipped": 0, "bad_steps": 0}
+    model, optimizer = train.build(run)
+    state = train.TrainState.fresh(model, device)
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
     twin = meta_model(cfg)
     n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)
@@ -335,9 +327,9 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
     def step():
         for group in optimizer.param_groups:
-            group["lr"] = train.lr_at(state["step"], tc)
+            group["lr"] = train.lr_at(state.step, tc)
         train.train_step(model, optimizer, batch, tc, autocast, state)
-        state["step"] += 1
+        state.step += 1
 
     for _ in range(args.warmup):
         step()
@@ -1146,22 +1138,19 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     import checkpoint
 
     _, _, device = parallel.init_distributed()
-    autocast, dtype = train.autocast_for(tc, device)
-    tc = dataclasses.replace(tc, doc_mask=False)  # AfmoeForCausalLM has no intra-document masking
-    cfg = model_config(tc, overrides)
-    layout = parallel.Layout(1)
-    layout.check(cfg, tc.global_batch, tc.micro_batch)
+    # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
+    tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
+    run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
+    cfg, autocast, dtype = run.cfg, run.autocast, run.dtype
     torch.manual_seed(tc.seed)
-    ours = parallel.build_model(cfg, layout, None, device, ac=tc.ac, compile=tc.compile, seed=tc.seed,
-                                state_copies=2 * train.state_copies(tc))  # and transformers' model as much again
+    ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
                                          if k not in ("model_type", "architectures")}, use_cache=False)
     hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
-    opt_ours, opt_hf = train.build_optimizer(ours, tc), train.build_optimizer(hf, tc)
-    state = {"step": 0, "momentum": torch.zeros(len(ours.moe_layers()), cfg.n_experts, device=device),
-             "skipped": 0, "bad_steps": 0}
+    opt_hf = train.build_optimizer(hf, tc)
+    state = train.TrainState.fresh(ours, device)
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)
     n_micro = tc.global_batch // tc.micro_batch
     hf_impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))

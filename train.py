@@ -433,9 +433,31 @@ def phase(name: str):
     return torch.profiler.record_function("train_step::" + name)
 
 
-def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, poison: bool = False) -> dict:
+@dataclass
+class TrainState:
+    """What the loop carries from step to step besides the model and optimizer: the step, each MoE layer's
+    balancing momentum [L, E], and the non-finite steps skipped (in all, and in a row)."""
+    step: int
+    momentum: torch.Tensor
+    skipped: int = 0
+    bad_steps: int = 0
+
+    @classmethod
+    def fresh(cls, model, device: torch.device) -> "TrainState":
+        return cls(0, torch.zeros(len(moe_layers(model)), model.cfg.n_experts, device=device))
+
+    def saved(self, step: int) -> dict:
+        """The checkpoint's train-state keys, as every checkpoint has stored them (momentum on the CPU)."""
+        return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu()}
+
+    def load(self, saved: dict):
+        self.step, self.skipped = saved["step"], saved["skipped"]
+        self.momentum.copy_(torch.as_tensor(saved["momentum"]))
+
+
+def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, poison: bool = False) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias
-    update. `state` holds the balancing momentum ("momentum": [L, E]) and the bad-step counter. Returns metrics
+    update. `state` holds the balancing momentum [L, E] and the bad-step counters. Returns metrics
     (losses averaged over the global batch, global tokens-per-expert counts)."""
     device = loader_device(model)
     with phase("batch to device"):
@@ -474,15 +496,15 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: dict, 
     if finite:
         with phase("optimizer"):
             optimizer.step()
-        state["bad_steps"] = 0
+        state.bad_steps = 0
     else:  # a NaN/Inf step changes nothing: no update, no bias move
-        state["bad_steps"] = state.get("bad_steps", 0) + 1
-        state["skipped"] = state.get("skipped", 0) + 1
+        state.bad_steps += 1
+        state.skipped += 1
     optimizer.zero_grad(set_to_none=True)
-    if finite and tc.balance != "none" and (tc.bias_freeze_step < 0 or state["step"] < tc.bias_freeze_step):
+    if finite and tc.balance != "none" and (tc.bias_freeze_step < 0 or state.step < tc.bias_freeze_step):
         with phase("expert-bias update"):
             for l, moe in enumerate(layers):
-                update_expert_bias(moe.expert_bias, counts_LE[l], state["momentum"][l], tc.balance, tc.smebu_lambda,
+                update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
                                    tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
     lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read for the metrics
     return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
@@ -663,8 +685,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     return tc, resume_from
 
 
-def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: dict, resolved: dict,
-           say) -> TrainConfig:
+def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: TrainState,
+           resolved: dict, say) -> TrainConfig:
     """Load the checkpoint to continue from into the model, optimizer, loader and `state` (--resume=auto: the
     newest under OUT_DIR that loads), and set the run's id in `resolved` (the checkpoint's, or a new one: a run
     prunes only its own checkpoints). Returns the config whose LR schedule the run follows (lr_schedule)."""
@@ -679,11 +701,10 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
             dist.broadcast_object_list(run_id, src=0)
         resolved["run_id"] = run_id[0]
         return tc
-    state.update(step=saved["step"], skipped=saved["skipped"])
-    state["momentum"].copy_(torch.as_tensor(saved["momentum"]))
+    state.load(saved)
     loader.load_state_dict(saved["data"])
     resolved["run_id"] = saved.get("run_id")
-    say(f"resumed from {resume_from} at step {state['step']}")
+    say(f"resumed from {resume_from} at step {state.step}")
     return lr_schedule(tc, saved.get("schedule_steps", tc.steps), say)
 
 
@@ -753,7 +774,7 @@ class Checkpointer:
             self.say(f"{e} Training goes on.")
 
 
-# --- the run
+# --- the run, stage by stage: setup, build, resume, the loop, finish
 
 def autocast_for(tc: TrainConfig, device: torch.device):
     """(autocast context, compute dtype or None): bf16 on GPU, fp32 on CPU, unless --dtype says otherwise."""
@@ -761,20 +782,46 @@ def autocast_for(tc: TrainConfig, device: torch.device):
     return (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()), dtype
 
 
-def main(tc: TrainConfig, overrides: dict) -> dict:
-    # --- setup: ranks, devices, precision, output directory
-    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
-    master = rank == 0
-    say = print if master else (lambda *a, **k: None)
-    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), master)
-    torch.manual_seed(tc.seed)
-    autocast, dtype = autocast_for(tc, device)
-    ckpt_root = os.path.join(tc.out_dir, "checkpoints")
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def _quiet(*args, **kwargs):
+    pass
 
-    # --- data: the default corpus is prepared on first use (rank 0 writes, the others wait)
+
+@dataclass
+class Run:
+    """Where and how a run computes, settled on every rank before anything heavy is built: its config, the model's
+    config, the layout of the ranks (checked here, before any collective), this rank, its device and precision."""
+    tc: TrainConfig
+    cfg: ModelConfig
+    layout: parallel.Layout
+    rank: int
+    device: torch.device
+    autocast: contextlib.AbstractContextManager
+    dtype: torch.dtype | None
+
+    @classmethod
+    def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> "Run":
+        layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+        layout.check(cfg, tc.global_batch, tc.micro_batch)
+        return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device))
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def say(self):
+        return print if self.master else _quiet
+
+
+def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
+    """Ranks, OUT_DIR (one run per directory), the data, the model config and the layout. Returns the run, the
+    data's manifest and what to resume from (prepare_out_dir)."""
+    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
+    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
+    torch.manual_seed(tc.seed)
+    # The default corpus is prepared on first use (rank 0 writes, the others wait).
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
-        if master:
+        if rank == 0:
             data.prepare(out_dir=tc.data)
         if dist.is_initialized():
             dist.barrier()
@@ -784,151 +831,231 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         data.check_vocabulary(manifest, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, manifest["vocab_size"])
+    return Run.on(tc, cfg, rank, world, device), manifest, resume_from
 
-    # --- layout: checked on every rank before any collective (parallel.py)
-    layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
-    layout.check(cfg, tc.global_batch, tc.micro_batch)
-    loader = data.DataLoader(tc.data, "train", tc.seq_len, tc.global_batch, rank, world, tc.seed,
-                             vocab_size=cfg.vocab_size, tokenizer=tc.tokenizer)
-    val_loader = data.DataLoader(tc.data, "val", tc.seq_len, tc.global_batch, rank, world, tc.seed,
-                                 vocab_size=cfg.vocab_size, tokenizer=tc.tokenizer)
-    resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
-                "tokenizer": {"name": manifest["tokenizer"],
-                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
-    say(json.dumps(resolved, indent=1))
-    say(layout.describe(cfg.n_experts))
 
-    # --- model: built on meta, sharded, then initialised shard by shard
-    mesh = parallel.build_mesh(layout, device.type)
-    model = parallel.build_model(cfg, layout, mesh, device, ac=tc.ac, compile=tc.compile,
-                                 param_dtype=torch.bfloat16 if dtype else None, seed=tc.seed,
-                                 state_copies=state_copies(tc))
-    if tc.init_from_hf:
-        checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
-        say(f"initialised from {tc.init_from_hf}")
-    twin = meta_model(cfg)  # counts come from an unsharded twin on the meta device
-    n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)
-    say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
-        f"{flops_per_token / 1e6:.1f} MFLOP/token")
+def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
+    """This rank's train and validation loaders."""
+    tc = run.tc
+    return tuple(data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
+                                 vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in ("train", "val"))
 
-    if tc.skew_router:
-        for moe in moe_layers(model):
-            moe.expert_bias[: 2 * cfg.top_k] += tc.skew_router
 
-    # --- optimizer, balancing state, and resume from the newest complete checkpoint
-    optimizer = build_optimizer(model, tc)
-    layers = moe_layers(model)
-    state = {"step": 0, "momentum": torch.zeros(len(layers), cfg.n_experts, device=device), "skipped": 0,
-             "bad_steps": 0}
-    schedule = resume(resume_from, tc, model, optimizer, loader, state, resolved, say)
-    if state["step"] >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
-        say(f"already at step {state['step']} of {tc.steps}; pass a larger --steps to train further")
-        return {"first_loss": None, "loss": None, "val_loss": None, "step": state["step"]}
-    if master:
-        start_run_files(tc.out_dir, resolved, state["step"])
-    ckpt = Checkpointer(tc, ckpt_root, lambda step: {
-        "step": step, "skipped": state["skipped"], "momentum": state["momentum"].cpu(),
-        "data": loader.state_dict(), "run_id": resolved["run_id"], "schedule_steps": schedule.steps},
-        {"model": model, "optim": optimizer}, resolved, say)
+def resolved_config(run: Run, manifest: dict) -> dict:
+    """The run's config as config.json and every checkpoint keep it (the run id is added by resume)."""
+    return {"train": dataclasses.asdict(run.tc), "model": dataclasses.asdict(run.cfg), "world_size": run.layout.world,
+            "tokenizer": {"name": manifest["tokenizer"],
+                          "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
 
-    # --- loop
-    peak = peak_tflops(device, tc.peak_tflops)
-    tokens_per_step = tc.global_batch * tc.seq_len
-    metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
-    sinks = MetricsSinks(tc, resolved, state["step"], master)
-    preemption, watchdog = Preemption(), Watchdog(tc.step_timeout)
-    first_loss = val_loss = out = None
-    t_start = t_last = time.time()
-    steps_since_log, start_step = 0, state["step"]
-    for step in range(start_step, tc.steps):
-        state["step"] = step
-        lr = lr_at(min(step, schedule.steps - 1), schedule)
-        for group in optimizer.param_groups:
+
+def build(run: Run, copies: int | None = None):
+    """(model, optimizer): the model built on meta, sharded over the layout's mesh, then initialised shard by shard.
+    `copies`: the fp32 copies of the weights the memory check counts (default: state_copies)."""
+    mesh = parallel.build_mesh(run.layout, run.device.type)
+    model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
+                                 param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
+                                 state_copies=copies or state_copies(run.tc))
+    return model, build_optimizer(model, run.tc)
+
+
+def flops_per_token(run: Run) -> float:
+    """Said with the model's size; counted on an unsharded twin on the meta device."""
+    twin = meta_model(run.cfg)
+    n, flops = twin.num_params(), twin.flops_per_token(run.tc.seq_len)
+    run.say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
+            f"{flops / 1e6:.1f} MFLOP/token")
+    return flops
+
+
+class Drills:
+    """The fault drills: faults a run injects on purpose to show it survives them. A rank that dies (torchrun
+    restarts the job, which resumes) and a hung step (the watchdog) happen on the first launch only, so the restarted
+    job can finish; a NaN loss tests the non-finite guard, a skewed router the expert balancing."""
+
+    def __init__(self, run: Run):
+        self.tc, self.rank, self.last_rank = run.tc, run.rank, run.rank == run.layout.world - 1
+        self.top_k = run.cfg.top_k
+        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    def skew_router(self, model):
+        """A fresh run's router collapsed onto the first 2*top_k experts of every MoE layer (a resume overwrites it)."""
+        if self.tc.skew_router:
+            for moe in moe_layers(model):
+                moe.expert_bias[: 2 * self.top_k] += self.tc.skew_router
+
+    def before_step(self, step: int) -> bool:
+        """Hangs the --stall_at_step step; True if this step's loss is to be NaN."""
+        if step == self.tc.stall_at_step and self.first_launch:
+            time.sleep(10 * self.tc.step_timeout + 60)
+        return step == self.tc.nan_at_step
+
+    def after_step(self, step: int):
+        if step + 1 == self.tc.crash_at_step and self.first_launch and self.last_rank:
+            print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+class Loop:
+    """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
+    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row."""
+
+    def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig,
+                 ckpt: Checkpointer, sinks: MetricsSinks, flops_per_token: float, drills: Drills):
+        self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
+        (self.loader, self.val_loader), self.ckpt, self.sinks, self.drills = loaders, ckpt, sinks, drills
+        self.flops_per_token, self.peak = flops_per_token, peak_tflops(run.device, run.tc.peak_tflops)
+        self.tokens_per_step = run.tc.global_batch * run.tc.seq_len
+        self.preemption, self.watchdog = Preemption(), Watchdog(run.tc.step_timeout)
+        self.first_loss = self.val_loss = self.out = None
+        self.t_start = self.t_last = time.time()
+        self.steps_since_log, self.start_step = 0, state.step
+
+    def train(self):
+        for step in range(self.start_step, self.run.tc.steps):
+            if self.step(step):
+                break
+        self.ckpt.complete()
+
+    def step(self, step: int) -> bool:
+        """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
+        tc, say, state = self.run.tc, self.run.say, self.state
+        state.step = step
+        lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if step == tc.stall_at_step and restart == 0:  # drill: a hung step, for the watchdog
-            time.sleep(10 * tc.step_timeout + 60)
-        batch = loader.batch(step)
-        out = train_step(model, optimizer, batch, tc, autocast, state, poison=step == tc.nan_at_step)
+        poison = self.drills.before_step(step)
+        batch = self.loader.batch(step)
+        out = self.out = train_step(self.model, self.optimizer, batch, tc, self.run.autocast, state, poison=poison)
         # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write still in flight
         # on any rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of
         # the data stream, for metrics.jsonl).
-        preempted, writing, clock_due, tokens_sum = global_sums(device, preemption.requested, ckpt.writing(),
-                                                                master and ckpt.clock_due(), batch[0].sum().item())
+        preempted, writing, clock_due, tokens_sum = global_sums(
+            self.run.device, self.preemption.requested, self.ckpt.writing(),
+            self.run.master and self.ckpt.clock_due(), batch[0].sum().item())
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
-            ckpt.complete()  # so a crash loses at most ckpt_every steps
-        loader.step = step + 1
-        watchdog.beat(step + 1)
-        steps_since_log += 1
-        first_loss = out["lm_loss"] if first_loss is None else first_loss
+            self.ckpt.complete()  # so a crash loses at most ckpt_every steps
+        self.loader.step = step + 1
+        self.watchdog.beat(step + 1)
+        self.steps_since_log += 1
+        self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
                   "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": int(tokens_sum)}
         if not out["finite"]:
-            say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
-                f"({state['bad_steps']} in a row, {state['skipped']} in total)")
-            if state["bad_steps"] >= tc.max_bad_steps:
-                newest = checkpoint.latest(ckpt_root)
-                watchdog.stop()
-                preemption.close()
-                raise RuntimeError(f"{state['bad_steps']} non-finite steps in a row, the last at step {step + 1}; "
-                                   f"the last good checkpoint is {newest or 'none'}; lower --lr or inspect the data "
-                                   f"of these steps, then resume")
-        if (step + 1) % tc.log_every == 0 or last or step == start_step:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = (time.time() - t_last) / steps_since_log
-            t_last, steps_since_log = time.time(), 0
-            tok_s = tokens_per_step / dt
-            mfu = tok_s * flops_per_token / (peak * 1e12 * world) if peak else None
-            mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            bal = balance_metrics(out["counts_LE"], layers)
-            eta = (time.time() - t_start) / (step + 1 - start_step) * (tc.steps - step - 1)
-            record.update(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=state["skipped"], **bal)
-            say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad {out['grad_norm']:.3f}"
-                f" | {tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
-                f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
-                f" | eta {eta / 60:.1f}m")
+            self.non_finite(step)
+        if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
+            record.update(self.log(step, lr))
         if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
-            val_loss = evaluate(model, val_loader, tc.eval_batches, tc.micro_batch, autocast)
-            record["val_loss"] = val_loss
-            say(f"step {step + 1:5d} | val loss {val_loss:.4f}")
-        if master:
-            with open(metrics_path, "a") as f:
+            self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
+                                                          tc.micro_batch, self.run.autocast)
+            say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
+        if self.run.master:
+            with open(os.path.join(tc.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
-            sinks.write(record)
+            self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
-            ckpt.save(step + 1, final=last or preempted)
+            self.ckpt.save(step + 1, final=last or preempted)
         if preempted:
-            say(f"{'interrupted' if preemption.interrupted else 'preempted'}: checkpoint written at step {step + 1}; "
-                f"exiting")
-            break
-        if step + 1 == tc.crash_at_step and restart == 0 and rank == world - 1:  # drill: a rank dies
-            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
-            os._exit(1)
-    ckpt.complete()
+            say(f"{'interrupted' if self.preemption.interrupted else 'preempted'}: checkpoint written at step "
+                f"{step + 1}; exiting")
+            return True
+        self.drills.after_step(step)
+        return False
 
-    # --- summary and a sample
-    elapsed = time.time() - t_start
-    if out is not None:
-        say(f"done: {state['step'] + 1 - start_step} steps, "
-            f"{(state['step'] + 1) * tokens_per_step:,} tokens seen in all, {elapsed:.0f}s; "
-            f"loss {first_loss:.3f} -> {out['loss']:.3f}, "
-            f"val loss {val_loss if val_loss is None else round(val_loss, 3)}; "
-            f"outputs in {tc.out_dir}/")
-    if tc.sample_tokens and out is not None and not preemption.requested:
-        enc = data.get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
-        prompt = torch.tensor([enc.encode("def ")], device=device)
-        torch.manual_seed(tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
-        model.eval()
-        allowed_V = checkpoint.decodable_ids(enc, cfg.vocab_size).to(device)
-        sample = model.generate(prompt, tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)
-        say("sample:\n" + enc.decode(sample[0].tolist()))
-    watchdog.stop()
-    preemption.close()
-    sinks.close()
-    if ckpt.lost:
-        raise ckpt.lost
-    return {"first_loss": first_loss, "loss": out and out["loss"], "val_loss": val_loss, "step": state["step"] + 1}
+    def non_finite(self, step: int):
+        """Said for a non-finite step; too many in a row stop the run."""
+        state = self.state
+        self.run.say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
+                     f"({state.bad_steps} in a row, {state.skipped} in total)")
+        if state.bad_steps >= self.run.tc.max_bad_steps:
+            newest = checkpoint.latest(self.ckpt.root)
+            self.watchdog.stop()
+            self.preemption.close()
+            raise RuntimeError(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; "
+                               f"the last good checkpoint is {newest or 'none'}; lower --lr or inspect the data "
+                               f"of these steps, then resume")
+
+    def log(self, step: int, lr: float) -> dict:
+        """The console line of this step, and the record's speed, memory and balance fields."""
+        tc, device, out = self.run.tc, self.run.device, self.out
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.time() - self.t_last) / self.steps_since_log
+        self.t_last, self.steps_since_log = time.time(), 0
+        tok_s = self.tokens_per_step / dt
+        mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
+        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        bal = balance_metrics(out["counts_LE"], moe_layers(self.model))
+        eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
+        self.run.say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
+                     f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
+                     f" | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+                     f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
+                     f" | eta {eta / 60:.1f}m")
+        return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal)
+
+    def finish(self, manifest: dict) -> dict:
+        """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
+        tc, out = self.run.tc, self.out
+        if out is not None:
+            self.run.say(f"done: {self.state.step + 1 - self.start_step} steps, "
+                         f"{(self.state.step + 1) * self.tokens_per_step:,} tokens seen in all, "
+                         f"{time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {out['loss']:.3f}, "
+                         f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
+                         f"outputs in {tc.out_dir}/")
+        if tc.sample_tokens and out is not None and not self.preemption.requested:
+            sample(self.run, self.model, manifest)
+        self.watchdog.stop()
+        self.preemption.close()
+        self.sinks.close()
+        if self.ckpt.lost:
+            raise self.ckpt.lost
+        return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
+                "step": self.state.step + 1}
+
+
+def sample(run: Run, model, manifest: dict):
+    """Says --sample_tokens tokens the model writes after "def "."""
+    enc = data.get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
+    prompt = torch.tensor([enc.encode("def ")], device=run.device)
+    torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
+    model.eval()
+    allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
+    tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)
+    run.say("sample:\n" + enc.decode(tokens[0].tolist()))
+
+
+def main(tc: TrainConfig, overrides: dict) -> dict:
+    """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached."""
+    run, manifest, resume_from = setup(tc, overrides)
+    tc, say, drills = run.tc, run.say, Drills(run)
+    train_loader, val_loader = loaders(run)
+    resolved = resolved_config(run, manifest)
+    say(json.dumps(resolved, indent=1))
+    say(run.layout.describe(run.cfg.n_experts))
+
+    model, optimizer = build(run)
+    if tc.init_from_hf:
+        checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
+        say(f"initialised from {tc.init_from_hf}")
+    flops = flops_per_token(run)
+    drills.skew_router(model)
+
+    state = TrainState.fresh(model, run.device)
+    schedule = resume(resume_from, tc, model, optimizer, train_loader, state, resolved, say)
+    if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
+        say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
+        return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
+    if run.master:
+        start_run_files(tc.out_dir, resolved, state.step)
+    ckpt = Checkpointer(tc, os.path.join(tc.out_dir, "checkpoints"), lambda step: {
+        **state.saved(step), "data": train_loader.state_dict(), "run_id": resolved["run_id"],
+        "schedule_steps": schedule.steps}, {"model": model, "optim": optimizer}, resolved, say)
+
+    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, ckpt,
+                MetricsSinks(tc, resolved, state.step, run.master), flops, drills)
+    loop.train()
+    return loop.finish(manifest)
 
 
 if __name__ == "__main__":

@@ -147,10 +147,9 @@ def test_training_steps_on_cuda_reduce_the_loss():
     assert all(group.get("fused") for group in optimizer.param_groups)
     autocast, dtype = train.autocast_for(tc, CUDA)
     assert dtype == torch.bfloat16
-    state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), CFG.n_experts, device=CUDA), "skipped": 0,
-             "bad_steps": 0}
+    state = train.TrainState.fresh(model, CUDA)
     losses = [train.train_step(model, optimizer, batch(), tc, autocast, state)["lm_loss"] for _ in range(10)]
-    assert state["skipped"] == 0
+    assert state.skipped == 0
     assert losses[-1] < losses[0] - 0.5, losses
 
 

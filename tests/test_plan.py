@@ -83,8 +83,7 @@ def measured_bytes(model, optimizer, tc, batch) -> dict:
     seen = {}
     hook = optimizer.register_step_pre_hook(
         lambda opt, a, k: seen.update(grads=nbytes(p.grad for p in model.parameters() if p.grad is not None)))
-    state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), CFG.n_experts), "skipped": 0,
-             "bad_steps": 0}
+    state = train.TrainState.fresh(model, torch.device("cpu"))
     train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), state)
     hook.remove()
     return {"params": nbytes(model.parameters()), "grads": seen["grads"],
@@ -345,8 +344,7 @@ def traffic_worker(out: Path):
         tc = train.TrainConfig(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, seq_len=SEQ, keep_gathered=keep)
         model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
         optimizer = train.build_optimizer(model, tc, fused=False)
-        state = {"step": 0, "momentum": torch.zeros(len(model.moe_layers()), CFG.n_experts), "skipped": 0,
-                 "bad_steps": 0}
+        state = train.TrainState.fresh(model, torch.device("cpu"))
         S = layout.dp_shard
         counter = Collectives([rank % S + i * S for i in range(replicas)])
         losses = []
