@@ -649,7 +649,6 @@ GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50),    # NVLink 4 (900 GB/
 # A plan fits when its prediction leaves 10% of the GPU for what it does not model: the CUDA context, NCCL buffers,
 # allocator fragmentation, EP load imbalance.
 FIT_FRACTION = 0.9
-AC_MODES = ("none", "selective", "full")
 AG, RS, AR, A2A = "FSDP all-gather", "FSDP reduce-scatter", "HSDP all-reduce across replicas", "EP all-to-all"
 
 
@@ -696,10 +695,10 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     recompute = max(full_layer)
-    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in AC_MODES}
+    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}
     return {mode: {"saved": kept[mode], "peak": kept[mode] + max(head_transient, 0 if mode == "none" else
                                                                     tokens * recompute)}
-            for mode in AC_MODES}
+            for mode in parallel.AC_MODES}
 
 
 @dataclasses.dataclass
@@ -879,7 +878,7 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
             "params_total": count["total"], "params_active": count["active"], "params_per_gpu": params,
             "flops_per_token": model_flops, "head_flops_per_token": head_flops, "memory_bytes": memory,
             "memory_total_bytes": sum(memory.values()),
-            "activations_by_ac": {mode: acts[mode]["peak"] for mode in AC_MODES},
+            "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES},
             "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
             "network_bytes_per_step": {k: v[1] for k, v in traffic.items()},
             "groups": {"dp_shard": g_dense, "efsdp": g_expert, "dp_replicate": g_replica, "ep": g_ep},
@@ -989,7 +988,7 @@ def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, 
             else [1]
         for ep in eps:
             for micro in parallel._divisors(rows):
-                for ac in AC_MODES:
+                for ac in parallel.AC_MODES:
                     for keep in (False, True):
                         tried += 1
                         args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep,
@@ -1341,7 +1340,7 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
         parser.add_argument("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
         parser.add_argument("--gpu", choices=GPUS, default="b300",
                             help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
-        parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
+        parser.add_argument("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
         parser.add_argument("--grad_sync", choices=("last", "every"), default="every",
                             help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) "
                                  "| last (unsharded gradients held between micro-batches; not searched: train.py "

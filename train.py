@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     except ValueError as e:  # a numeric flag out of range (FLAG_RANGES), or --log_to
         parser.error(str(e))
     for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
-                          ("balance", ("smebu", "sign", "none")), ("ac", ("none", "full", "selective")),
+                          ("balance", ("smebu", "sign", "none")), ("ac", parallel.AC_MODES),
                           ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon")),
                           ("wandb_mode", ("auto", "online", "offline", "disabled")),
                           ("resume_schedule", ("keep", "stretch"))):
