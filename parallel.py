@@ -166,7 +166,7 @@ def destroy():
 def finish(code: int) -> int:
     """The end of a process whose run is over: destroy(); then a torchrun worker leaves at once, without interpreter
     shutdown. A rank whose work is done and written can otherwise abort while shutdown destroys gloo's leftover work
-    objects ("terminate called without an active exception"; a few times in a hundred launches here), and torchrun
+    objects ("terminate called without an active exception"), and torchrun
     then reports a finished run as failed. Returns `code` in a plain process."""
     destroy()
     if "RANK" in os.environ:

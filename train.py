@@ -370,8 +370,8 @@ def build_optimizer(model, tc: TrainConfig, fused: bool = True):
     routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
     and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
     couple and equalise whatever each expert's load (AdamW keeps them independent).
-    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU about 3x faster than the per-tensor loop
-    torch picks by default there, which with 256 experts per layer is a large part of a small step)."""
+    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU torch would otherwise loop over the
+    tensors, and 256 experts per layer make that a large part of a small step)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
         decay = [p for _, p in params if p.dim() >= 2]
