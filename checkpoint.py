@@ -423,7 +423,7 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
         _pending[0]()
     rank, world = _rank_world()
     model, optim = state["model"], state.get("optim")
-    # Bad input fails here, on every rank, before any collective (STYLE 6).
+    # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
     config_text = json.dumps(_resolved_config(config, model), indent=2, default=_config_json)
     rng_text = json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))
     tensors, optim_rest = _state_dicts(model, optim)

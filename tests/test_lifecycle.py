@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import data
 import parallel
 import train
 from conftest import TINY_MODEL_FLAGS
-from test_resume import ENV, ROOT, rows, run_here, started
+from test_resume import ENV, ROOT, rows, run_here, signal_mid_run
 
 MODEL_FLAGS = [*TINY_MODEL_FLAGS, "--dim=32"]
 
@@ -126,16 +125,10 @@ def test_default_checkpoints_bound_the_work_a_crash_loses(corpus_dir, tmp_path, 
 
 def test_ctrl_c_checkpoints_and_exits_zero_in_one_line(corpus_dir, tmp_path):
     out = tmp_path / "run"
-    with started(args(corpus_dir, out, "--steps=30"), tmp_path / "log") as proc:
-        deadline = time.time() + 120
-        while proc.poll() is None and time.time() < deadline and len(rows(out)) < 2:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
-    stdout, err = (tmp_path / "log.out").read_text(), (tmp_path / "log.err").read_text()
+    code, stdout, err, stopped = signal_mid_run(args(corpus_dir, out, "--steps=30"), out, tmp_path / "log",
+                                                signal.SIGINT)
     assert code == 0, err[-4000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    stopped = rows(out)[-1]["step"]
     assert f"interrupted: checkpoint written at step {stopped}; exiting" in stdout
     assert checkpoint.latest(str(out / "checkpoints")) == str(out / "checkpoints" / f"step_{stopped:08d}")
 

@@ -219,17 +219,22 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous(corpus_dir, tmp_
 
 # --- SIGTERM: finish the step, checkpoint it, exit 0; the next launch continues from there
 
-def test_sigterm_checkpoints_and_exits_zero_then_resumes(corpus_dir, tmp_path, capsys):
-    out = tmp_path / "run"
-    with started(args(corpus_dir, out, "--steps=12"), tmp_path / "log") as proc:
+def signal_mid_run(run_args: list[str], out: Path, log: Path, sig: int) -> tuple[int, str, str, int]:
+    """Start train.py, send `sig` once two steps are logged; (exit code, stdout, stderr, last logged step)."""
+    with started(run_args, log) as proc:
         deadline = time.time() + 120
         while proc.poll() is None and time.time() < deadline and len(rows(out)) < 2:
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         code = proc.wait(timeout=120)
-    stdout, err = (tmp_path / "log.out").read_text(), (tmp_path / "log.err").read_text()
+    return code, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text(), rows(out)[-1]["step"]
+
+
+def test_sigterm_checkpoints_and_exits_zero_then_resumes(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, stdout, err, stopped = signal_mid_run(args(corpus_dir, out, "--steps=12"), out, tmp_path / "log",
+                                                signal.SIGTERM)
     assert code == 0, err[-4000:]
-    stopped = rows(out)[-1]["step"]
     assert 2 <= stopped < 12
     assert f"preempted: checkpoint written at step {stopped}; exiting" in stdout
     assert checkpoint.latest(str(out / "checkpoints")) == str(out / "checkpoints" / f"step_{stopped:08d}")
