@@ -1148,7 +1148,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
-    opt_hf = train.build_optimizer(hf, tc)
+    opt_hf = parallel.build_optimizer(hf, tc)
     state = train.TrainState.fresh(ours, device)
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)
     n_micro = tc.global_batch // tc.micro_batch

@@ -537,7 +537,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Muon: orthogonalised momentum for the hidden matrices, AdamW for the rest, on sharded parameters
+# The optimizer: AdamW, or Muon (orthogonalised momentum for the hidden matrices, AdamW for the rest) on shards
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
 
@@ -761,3 +761,30 @@ class Muon(torch.optim.Optimizer):
             adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=group["fused"] or None, amsgrad=False,
                   beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
+
+
+def build_optimizer(model, tc, fused: bool = True):
+    """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
+    --optimizer=muon: parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
+    routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
+    and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
+    couple and equalise whatever each expert's load (AdamW keeps them independent).
+    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU torch would otherwise loop over the
+    tensors, and 256 experts per layer make that a large part of a small step)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if tc.optimizer == "adamw":
+        decay = [p for _, p in params if p.dim() >= 2]
+        no_decay = [p for _, p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
+    if tc.optimizer != "muon":
+        raise ValueError(f"--optimizer={tc.optimizer} is not one of adamw, muon.")
+    if tc.lr <= 0:
+        raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
+    hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]
+    ids = {id(p) for p in hidden}
+    groups = [{"params": hidden, "muon": True, "lr_scale": tc.muon_lr / tc.lr, "weight_decay": tc.weight_decay},
+              {"params": [p for _, p in params if p.dim() >= 2 and id(p) not in ids], "muon": False,
+               "weight_decay": tc.weight_decay},
+              {"params": [p for _, p in params if p.dim() < 2], "muon": False, "weight_decay": 0.0}]
+    return Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)

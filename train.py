@@ -364,33 +364,6 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def build_optimizer(model, tc: TrainConfig, fused: bool = True):
-    """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
-    --optimizer=muon: parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
-    routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
-    and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
-    couple and equalise whatever each expert's load (AdamW keeps them independent).
-    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU torch would otherwise loop over the
-    tensors, and 256 experts per layer make that a large part of a small step)."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if tc.optimizer == "adamw":
-        decay = [p for _, p in params if p.dim() >= 2]
-        no_decay = [p for _, p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
-    if tc.optimizer != "muon":
-        raise ValueError(f"--optimizer={tc.optimizer} is not one of adamw, muon.")
-    if tc.lr <= 0:
-        raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
-    hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]
-    ids = {id(p) for p in hidden}
-    groups = [{"params": hidden, "muon": True, "lr_scale": tc.muon_lr / tc.lr, "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() >= 2 and id(p) not in ids], "muon": False,
-               "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() < 2], "muon": False, "weight_decay": 0.0}]
-    return parallel.Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)
-
-
 def state_copies(tc: TrainConfig) -> int:
     """fp32 copies of the weights that training keeps at least: the weights, their gradients and the optimizer's
     moments (AdamW two; Muon one for the hidden matrices, which are nearly all of them)."""
@@ -855,7 +828,7 @@ def build(run: Run, copies: int | None = None):
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
                                  state_copies=copies or state_copies(run.tc))
-    return model, build_optimizer(model, run.tc)
+    return model, parallel.build_optimizer(model, run.tc)
 
 
 def flops_per_token(run: Run) -> float:

@@ -143,7 +143,7 @@ def test_training_steps_on_cuda_reduce_the_loss():
     update; ten steps on one batch must lower its loss, and nothing may turn non-finite."""
     tc = train.TrainConfig(global_batch=2, micro_batch=2, seq_len=256, lr=3e-3)
     model = parallel.build_model(CFG, parallel.Layout(1), None, CUDA)
-    optimizer = train.build_optimizer(model, tc)
+    optimizer = parallel.build_optimizer(model, tc)
     assert all(group.get("fused") for group in optimizer.param_groups)
     autocast, dtype = train.autocast_for(tc, CUDA)
     assert dtype == torch.bfloat16

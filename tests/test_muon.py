@@ -35,7 +35,7 @@ LAYOUTS = {"uninterrupted": dict(dp_replicate=2, ep=2), "resumed": dict(dp_repli
 
 def make_optimizer(model) -> parallel.Muon:
     """train.py's optimizer, as --optimizer=muon builds it."""
-    optimizer = train.build_optimizer(model, train.TrainConfig(optimizer="muon", lr=LR, muon_lr=MUON_LR), fused=False)
+    optimizer = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon", lr=LR, muon_lr=MUON_LR), fused=False)
     for group in optimizer.param_groups:
         if not group["muon"]:
             group["eps"] = ADAM_EPS
@@ -133,9 +133,9 @@ def test_fp32_stacks_and_adamw_match_references():
 
 def test_build_optimizer_groups():
     model = Transformer(CFG)
-    adamw = train.build_optimizer(model, train.TrainConfig(), fused=False)
+    adamw = parallel.build_optimizer(model, train.TrainConfig(), fused=False)
     assert isinstance(adamw, torch.optim.AdamW)
-    optimizer = train.build_optimizer(model, train.TrainConfig(optimizer="muon", lr=2e-3, muon_lr=8e-3), fused=False)
+    optimizer = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon", lr=2e-3, muon_lr=8e-3), fused=False)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"]}
     assert {n for n in muon if "layers.1." in n} == {
@@ -147,7 +147,7 @@ def test_build_optimizer_groups():
     assert len(muon) + sum(len(g["params"]) for g in optimizer.param_groups if not g["muon"]) == len(names)
     assert [g["lr_scale"] for g in optimizer.param_groups] == [4.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="--optimizer=lion is not one of adamw, muon"):
-        train.build_optimizer(model, train.TrainConfig(optimizer="lion"), fused=False)
+        parallel.build_optimizer(model, train.TrainConfig(optimizer="lion"), fused=False)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def one_thread():
 def test_plan_memory_matches_a_real_model(one_thread):
     tc = train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, seq_len=SEQ)
     model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"))
-    optimizer = train.build_optimizer(model, tc, fused=False)
+    optimizer = parallel.build_optimizer(model, tc, fused=False)
     measured = measured_bytes(model, optimizer, tc, bench.synthetic_batch(CFG.vocab_size, GLOBAL_BATCH, SEQ, 0, 1, 0))
     predicted = predicted_bytes(parallel.Layout(1))
     for kind in ("params", "grads", "optimizer"):
@@ -143,7 +143,7 @@ def two_rank_worker(out: Path):
     layout = parallel.Layout(world, dp_replicate=1, ep=2)
     tc = train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, seq_len=SEQ)
     model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
-    optimizer = train.build_optimizer(model, tc, fused=False)
+    optimizer = parallel.build_optimizer(model, tc, fused=False)
     batch = bench.synthetic_batch(CFG.vocab_size, GLOBAL_BATCH, SEQ, rank, world, 0)
     (out / f"rank{rank}.json").write_text(json.dumps(measured_bytes(model, optimizer, tc, batch)))
 
@@ -343,7 +343,7 @@ def traffic_worker(out: Path):
         layout = parallel.Layout(world, replicas, ep=2)
         tc = train.TrainConfig(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, seq_len=SEQ, keep_gathered=keep)
         model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
-        optimizer = train.build_optimizer(model, tc, fused=False)
+        optimizer = parallel.build_optimizer(model, tc, fused=False)
         state = train.TrainState.fresh(model, torch.device("cpu"))
         S = layout.dp_shard
         counter = Collectives([rank % S + i * S for i in range(replicas)])
