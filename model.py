@@ -203,37 +203,27 @@ def _warn_once(message: str, _seen=set()):
         warnings.warn(message, stacklevel=3)
 
 
-def use_flex(device: torch.device) -> bool:
-    # Flex attention has no backward on CPU, so CPU always takes the exact SDPA path.
-    return device.type == "cuda"
-
-
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
               flex: bool | None = None):
     """Causal, within `window` if given, within one document if given: a flex BlockMask when `flex` (default: on
-    CUDA), else a boolean [B or 1, 1, T, T] mask (True = attend), or None when plain causal attention is exact."""
-    if use_flex(device) if flex is None else flex:
+    CUDA, as flex attention has no CPU backward), else the same rule as a boolean [B or 1, 1, T, T] mask (True =
+    attend), or None when plain causal attention is exact."""
+    def mask_mod(b, h, q, kv):
+        keep = q >= kv
+        if window is not None:
+            keep = keep & (q - kv < window)
+        if doc_ids_BT is not None:
+            keep = keep & (doc_ids_BT[b, q] == doc_ids_BT[b, kv])
+        return keep
+
+    B = doc_ids_BT.shape[0] if doc_ids_BT is not None else None
+    if device.type == "cuda" if flex is None else flex:
         from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, kv):
-            keep = q >= kv
-            if window is not None:
-                keep = keep & (q - kv < window)
-            if doc_ids_BT is not None:
-                keep = keep & (doc_ids_BT[b, q] == doc_ids_BT[b, kv])
-            return keep
-
-        B = doc_ids_BT.shape[0] if doc_ids_BT is not None else None
         return create_block_mask(mask_mod, B, None, T, T, device=device)
     if window is None and doc_ids_BT is None:
         return None
-    pos = torch.arange(T, device=device)
-    keep = (pos[:, None] >= pos[None, :])[None, None]
-    if window is not None:
-        keep = keep & (pos[:, None] - pos[None, :] < window)
-    if doc_ids_BT is not None:
-        keep = keep & (doc_ids_BT[:, None, :, None] == doc_ids_BT[:, None, None, :])
-    return keep
+    q_11T1, kv_111T = torch.arange(T, device=device).view(1, 1, T, 1), torch.arange(T, device=device).view(1, 1, 1, T)
+    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
 
 
 _flex_attention = None  # compiled on first use
@@ -256,8 +246,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.is_global = cfg.is_global(layer)
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.is_global, self.head_dim = cfg.is_global(layer), cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -268,9 +257,9 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: "KVCache | None" = None):
         B, T, _ = x_BTD.shape
-        q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v_BGTDh = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v_BGTDh = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         if not self.is_global:
             q_BHTDh, k_BGTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh), apply_rope(k_BGTDh, cos_TDh, sin_TDh)
         o_BHTDh = (attend if cache is None else cache.attend)(q_BHTDh, k_BGTDh, v_BGTDh, mask)
@@ -325,11 +314,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     """Why torch's grouped GEMM cannot run these operands, or None when it can."""
     if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped_mm"
-    if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (8, 0):
-            return "grouped_mm on CUDA needs compute capability >= 8.0"
-    elif x.device.type != "cpu":
+    if x.device.type not in ("cpu", "cuda"):
         return f"grouped_mm is not available on {x.device.type}"
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "grouped_mm on CUDA needs compute capability >= 8.0"
     for w in weights:  # the kernels need 16-byte aligned strides
         if any((s * w.element_size()) % 16 for s in w.shape[1:]):
             return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
@@ -375,10 +363,8 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
                                    for x_nD, w_HD in zip(x_ND.split(rows), gate_up_EHD.unbind(0))]))
         return torch.cat([F.linear(act_nI, w_DI.to(dtype))
                           for act_nI, w_DI in zip(act_NI.split(rows), down_EDI.unbind(0))])
-    if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
-        x_ND, gate_up_EHD, down_EDI = x_ND.bfloat16(), gate_up_EHD.bfloat16(), down_EDI.bfloat16()
-    else:
-        gate_up_EHD, down_EDI = gate_up_EHD.to(dtype), down_EDI.to(dtype)
+    mm_dtype = torch.bfloat16 if x_ND.is_cuda else dtype  # CUDA's grouped GEMM wants bf16 (fp32 masters included)
+    x_ND, gate_up_EHD, down_EDI = x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype), down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
     act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E))
@@ -694,11 +680,8 @@ class Transformer(nn.Module):
         for block, layer_cache in zip(self.layers.values(), cache or [None] * len(self.layers)):
             x_BTD, router = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
             routers += [router] if router is not None else []
-        if cache is not None:
-            out = self.head(self.norm(x_BTD[:, -1:]))
-        else:
-            h_BTD = self.norm(x_BTD)
-            out = self.head(h_BTD) if targets_BT is None else self.head_loss(h_BTD, targets_BT)
+        h_BTD = self.norm(x_BTD if cache is None else x_BTD[:, -1:])
+        out = self.head_loss(h_BTD, targets_BT) if targets_BT is not None and cache is None else self.head(h_BTD)
         if not return_stats:
             return out
         counts, aux, z = zip(*routers) if routers else ((), (), ())
