@@ -1,23 +1,18 @@
 """
-The AfMoE transformer (Arcee's Trinity models): a sparse Mixture-of-Experts language model with sigmoid top-k
-routing over many small experts plus a shared expert, and 3:1 sliding-window / global attention.
+The AfMoE transformer (Arcee's Trinity models): sigmoid top-k routing over many small experts plus a shared expert,
+3:1 sliding-window / global attention. Knows nothing about ranks: parallel.py transforms the plain model in place.
+Presets follow the Trinity technical report; transformers' `afmoe` is the reference forward pass.
 
-This file knows nothing about ranks or devices: parallel.py transforms the plain model in place. The presets and
-constants are the Trinity technical report's (Arcee AI, 2026); transformers' `afmoe` model is the reference for
-the forward pass.
-
-    python model.py                # print every preset's parameter and FLOP counts (no allocation)
+    python model.py                # every preset's parameter and FLOP counts (no allocation)
     python model.py --preset tiny  # one forward pass of `tiny` on CPU
 
-    from model import ModelConfig, Transformer, PRESETS
     model = Transformer(PRESETS["tiny"])
     logits_BTV = model(tokens_BT)
-    loss = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT)  # head and cross-entropy fused
-    loss, stats = model(tokens_BT, targets_BT=targets_BT, return_stats=True)  # + RouterStats: counts, balance losses
+    loss, stats = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT, return_stats=True)
     tokens_BS = model.generate(prompt_BT, 64, temperature=0.8, top_k=50)  # KV-cached sampling
 
-Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, Dh head dim, V vocab,
-E routed experts, K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
+Shapes: B batch, T sequence, D width, H query heads, G key/value heads, Dh head dim, V vocab, E routed experts,
+K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
 """
 
 import argparse
@@ -36,10 +31,10 @@ import torch.nn.functional as F
 @dataclass
 class ModelConfig:
     vocab_size: int = 100352        # cl100k_base (100277 tokens) padded up to a multiple of 128
-    dim: int = 128                  # d_model
+    dim: int = 128
     n_layers: int = 4
     n_dense_layers: int = 1         # the first layers use a dense SwiGLU FFN instead of the MoE block
-    dense_hidden: int = 384         # dense FFN width
+    dense_hidden: int = 384
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32
@@ -85,64 +80,27 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return layer >= self.n_dense_layers
 
-    # --- transformers' AfmoeConfig <-> ours (checkpoint.py converts the weights)
-
     def to_hf(self) -> dict:
-        return {
-            "model_type": "afmoe",
-            "architectures": ["AfmoeForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "intermediate_size": self.dense_hidden,
-            "moe_intermediate_size": self.expert_hidden,
-            "num_hidden_layers": self.n_layers,
-            "num_dense_layers": self.n_dense_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_seq_len,
-            "initializer_range": self.init_std,
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "num_experts": self.n_experts,
-            "num_experts_per_tok": self.top_k,
-            "num_shared_experts": self.n_shared_experts,
-            "route_scale": self.route_scale,
-            "global_attn_every_n_layers": self.global_every,
-            "sliding_window": self.window,
-            "layer_types": ["full_attention" if self.is_global(i) else "sliding_attention"
-                            for i in range(self.n_layers)],
-            "mup_enabled": self.mup,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-        }
+        """transformers' AfmoeConfig of this model (checkpoint.py converts the weights)."""
+        return {"model_type": "afmoe", "architectures": ["AfmoeForCausalLM"],
+                **{key: getattr(self, name) for name, key in HF_KEYS.items()},
+                "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                "layer_types": ["full_attention" if self.is_global(i) else "sliding_attention"
+                                for i in range(self.n_layers)]}
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         rope = hf.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type={rope['rope_type']!r} is not supported; only the default RoPE is.")
-        n_layers = hf["num_hidden_layers"]
-        global_every = hf.get("global_attn_every_n_layers") or 4
-        cfg = cls(
-            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n_layers,
-            n_dense_layers=hf.get("num_dense_layers") or 0, dense_hidden=hf["intermediate_size"],
-            n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            window=hf.get("sliding_window") or 1024, global_every=global_every,
-            max_seq_len=hf.get("max_position_embeddings", 4096),
-            n_experts=hf["num_experts"], n_shared_experts=hf.get("num_shared_experts") or 0,
-            top_k=hf["num_experts_per_tok"], route_scale=hf.get("route_scale") or 1.0,
-            expert_hidden=hf["moe_intermediate_size"], init_std=hf.get("initializer_range", 0.02),
-            norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=rope.get("rope_theta", 10000.0),
-            mup=bool(hf.get("mup_enabled", False)),
-        )
-        layer_types = hf.get("layer_types")
-        ours = cfg.to_hf()["layer_types"]
+        heads = hf["num_attention_heads"]
+        defaults = {**HF_DEFAULTS, "num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads}
+        cfg = cls(**{name: defaults[key] if key in defaults and hf.get(key) is None else hf[key]
+                     for name, key in HF_KEYS.items()}, rope_theta=rope.get("rope_theta", 10000.0))
+        layer_types, ours = hf.get("layer_types"), cfg.to_hf()["layer_types"]
         if layer_types is not None and list(layer_types) != ours:
-            raise ValueError(f"layer_types {layer_types} do not follow the every-{global_every}th-layer-global "
+            raise ValueError(f"layer_types {layer_types} do not follow the every-{cfg.global_every}th-layer-global "
                              f"pattern {ours}; this model supports only that pattern.")
         if hf.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported: AfMoE uses no biases.")
@@ -151,10 +109,20 @@ class ModelConfig:
         return cfg
 
 
-# The Trinity report's Table 1 (tiny is ours). The released models use a 200192-token vocabulary; training here sizes the
-# embedding from its tokenizer, so train.py overrides vocab_size.
+# ModelConfig field -> transformers' AfmoeConfig key; the defaults fill keys an HF config leaves out or sets to None.
+HF_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+           "n_dense_layers": "num_dense_layers", "dense_hidden": "intermediate_size", "n_heads": "num_attention_heads",
+           "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "window": "sliding_window",
+           "global_every": "global_attn_every_n_layers", "max_seq_len": "max_position_embeddings",
+           "n_experts": "num_experts", "n_shared_experts": "num_shared_experts", "top_k": "num_experts_per_tok",
+           "route_scale": "route_scale", "expert_hidden": "moe_intermediate_size", "init_std": "initializer_range",
+           "norm_eps": "rms_norm_eps", "mup": "mup_enabled"}
+HF_DEFAULTS = {"num_dense_layers": 0, "sliding_window": 1024, "global_attn_every_n_layers": 4,
+               "max_position_embeddings": 4096, "num_shared_experts": 0, "route_scale": 1.0,
+               "initializer_range": 0.02, "rms_norm_eps": 1e-5, "mup_enabled": False}
+
+# The Trinity report's Table 1 (tiny is ours: CPU-sized, same structure). train.py sizes vocab_size from its tokenizer.
 PRESETS = {
-    # CPU-sized but structurally faithful: 256 routed experts, top-4, 1 shared, a dense first layer, 3 local : 1 global.
     "tiny": ModelConfig(),
     "nano": ModelConfig(vocab_size=200192, dim=1024, n_layers=56, n_dense_layers=2, dense_hidden=3072, n_heads=8,
                         n_kv_heads=2, head_dim=128, window=2048, max_seq_len=4096, n_experts=128, top_k=8,
@@ -172,14 +140,16 @@ def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
     return -(-n_tokens // multiple) * multiple
 
 
+def config_fields() -> list[str]:
+    return [f.name for f in fields(ModelConfig)]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Building blocks
 
 class _RMSNorm(torch.autograd.Function):
-    """weight * x / rms(x) over the last dim, in fp32, cast back to x's dtype; only x and one scalar per row are
-    saved. Written out to pass over x few times: forward is one reduction (the row norms) and two products; backward
-    makes one product dy * x, whose two reductions (the weight's gradient, each row's projection) are then
-    matrix-vector products, and three passes for dx. Autograd through the forward's ops makes about twice as many."""
+    """weight * x / rms(x) in fp32, cast back; saves x and one scalar per row. The hand-written backward makes about
+    half the passes over x that autograd through the forward's ops would."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -187,19 +157,16 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
         y = x32 * rstd * weight
-        # Not y.to(x.dtype) when that is y itself: torch 2.11's compiled autograd.Function then returns wrong
-        # gradients (the output aliases a forward intermediate).
+        # Not y.to(x.dtype) when that is y itself: torch 2.11's compiled autograd.Function then returns wrong grads.
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        x32, w, D = x.float(), weight.float(), x.shape[-1]
-        dy = dy.float()
+        x32, w, D, dy = x.float(), weight.float(), x.shape[-1], dy.float()
         dy_x_ND = (dy * x32).reshape(-1, D)
         d_weight = rstd.reshape(1, -1) @ dy_x_ND  # sum over rows of dy * x_hat
-        # With x_hat = x * rstd: dx = rstd * (w*dy - x_hat * mean(w*dy*x_hat)) = rstd * (w*dy - x * c), where
-        # c = rstd^2 * mean(w*dy*x) per row.
+        # dx = rstd * (w*dy - x_hat * mean(w*dy*x_hat)) = rstd * (w*dy - x * c), c = rstd^2 * mean(w*dy*x) per row
         c = (dy_x_ND @ w).view_as(rstd) * rstd.square() / D
         dx = torch.addcmul(dy * w, x32, c, value=-1).mul_(rstd)
         return dx.to(x.dtype), d_weight.view_as(weight).to(weight.dtype), None
@@ -218,22 +185,16 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(T: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables of positions start .. start+T-1."""
+    """The rotary tables of positions start .. start+T-1 (rotate-half layout: both halves share the frequencies)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     freqs_TF = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
-    angles_TDh = torch.cat([freqs_TF, freqs_TF], dim=-1)  # rotate-half layout: both halves share the frequencies
+    angles_TDh = torch.cat([freqs_TF, freqs_TF], dim=-1)
     return angles_TDh.cos(), angles_TDh.sin()
 
 
 def apply_rope(x_BHTDh, cos_TDh, sin_TDh):
     x1, x2 = x_BHTDh.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BHTDh * cos_TDh + rotated * sin_TDh).to(x_BHTDh.dtype)
-
-
-# --- attention masks: flex attention block masks where it is compiled (CUDA), an exact boolean mask elsewhere.
-
-_flex_attention = None
+    return (x_BHTDh * cos_TDh + torch.cat([-x2, x1], dim=-1) * sin_TDh).to(x_BHTDh.dtype)
 
 
 def _warn_once(message: str, _seen=set()):
@@ -242,39 +203,30 @@ def _warn_once(message: str, _seen=set()):
         warnings.warn(message, stacklevel=3)
 
 
-def use_flex(device: torch.device) -> bool:
-    # Flex attention has no backward on CPU, so CPU always takes the exact SDPA path.
-    return device.type == "cuda"
-
-
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
               flex: bool | None = None):
-    """The attention mask of one layer type: causal, within `window` if given, within one document if given.
-    Returns a flex BlockMask when `flex` (default: on CUDA), else a boolean [B or 1, 1, T, T] mask (True = attend),
-    or None when the plain causal kernel is exact."""
-    if use_flex(device) if flex is None else flex:
+    """Causal, within `window` if given, within one document if given: a flex BlockMask when `flex` (default: on
+    CUDA, as flex attention has no CPU backward), else the same rule as a boolean [B or 1, 1, T, T] mask (True =
+    attend), or None when plain causal attention is exact."""
+    def mask_mod(b, h, q, kv):
+        keep = q >= kv
+        if window is not None:
+            keep = keep & (q - kv < window)
+        if doc_ids_BT is not None:
+            keep = keep & (doc_ids_BT[b, q] == doc_ids_BT[b, kv])
+        return keep
+
+    B = doc_ids_BT.shape[0] if doc_ids_BT is not None else None
+    if device.type == "cuda" if flex is None else flex:
         from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, kv):
-            keep = q >= kv
-            if window is not None:
-                keep = keep & (q - kv < window)
-            if doc_ids_BT is not None:
-                keep = keep & (doc_ids_BT[b, q] == doc_ids_BT[b, kv])
-            return keep
-
-        B = doc_ids_BT.shape[0] if doc_ids_BT is not None else None
         return create_block_mask(mask_mod, B, None, T, T, device=device)
     if window is None and doc_ids_BT is None:
         return None
-    pos = torch.arange(T, device=device)
-    keep_TT = pos[:, None] >= pos[None, :]
-    if window is not None:
-        keep_TT = keep_TT & (pos[:, None] - pos[None, :] < window)
-    keep = keep_TT[None, None]
-    if doc_ids_BT is not None:
-        keep = keep & (doc_ids_BT[:, None, :, None] == doc_ids_BT[:, None, None, :])
-    return keep
+    q_11T1, kv_111T = torch.arange(T, device=device).view(1, 1, T, 1), torch.arange(T, device=device).view(1, 1, 1, T)
+    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
+
+
+_flex_attention = None  # compiled on first use
 
 
 def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
@@ -294,8 +246,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.is_global = cfg.is_global(layer)
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.is_global, self.head_dim = cfg.is_global(layer), cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -306,49 +257,41 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: "KVCache | None" = None):
         B, T, _ = x_BTD.shape
-        q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v_BGTDh = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTDh = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v_BGTDh = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         if not self.is_global:
             q_BHTDh, k_BGTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh), apply_rope(k_BGTDh, cos_TDh, sin_TDh)
-        o_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask) if cache is None else cache.attend(q_BHTDh, k_BGTDh,
-                                                                                            v_BGTDh, mask)
+        o_BHTDh = (attend if cache is None else cache.attend)(q_BHTDh, k_BGTDh, v_BGTDh, mask)
         o_BTHDh = o_BHTDh.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o_BTHDh * torch.sigmoid(self.gate_proj(x_BTD)))
 
 
 class KVCache:
-    """One attention layer's keys and values during generation: the prompt is written at once (a prefill from
-    empty, attended with the layer's usual mask), then one token per call, which attends to every cached key with
-    SDPA and no mask. A global layer keeps all keys; a local layer only its last `window`, in a ring: keys are
-    cached after RoPE and attention does not depend on their order, so the slot of position p is p % window.
-    Buffers are allocated at the first call, in the keys' dtype, on their device."""
+    """One layer's keys and values while generating: the whole prompt first (attended with the layer's mask), then
+    one token per call, which attends to every cached key. A local layer keeps its last `window` keys in a ring (keys
+    are cached after RoPE and attention ignores their order), position p in slot p % window."""
 
     def __init__(self, length: int, window: int | None):
         self.size = length if window is None else min(window, length)
         self.pos = 0  # tokens written so far
-        self.k_BGSDh = self.v_BGSDh = None
+        self.k_BGSDh = self.v_BGSDh = None  # allocated at the first call, in the keys' dtype and device
 
     def attend(self, q_BHTDh, k_BGTDh, v_BGTDh, mask):
         B, G, T, Dh = k_BGTDh.shape
+        if T > 1 and self.pos:
+            raise ValueError("a KVCache takes the whole prompt in its first call, then one token per call.")
         if self.k_BGSDh is None:
             self.k_BGSDh, self.v_BGSDh = (k_BGTDh.new_empty(B, G, self.size, Dh) for _ in range(2))
-        if T == 1:
-            slot = self.pos % self.size
-            self.k_BGSDh[:, :, slot] = k_BGTDh[:, :, 0]
-            self.v_BGSDh[:, :, slot] = v_BGTDh[:, :, 0]
-            self.pos += 1
-            n = min(self.pos, self.size)
-            return F.scaled_dot_product_attention(q_BHTDh, self.k_BGSDh[:, :, :n], self.v_BGSDh[:, :, :n],
-                                                  enable_gqa=True)
-        if self.pos:
-            raise ValueError("a KVCache takes the whole prompt in its first call, then one token per call.")
         keep = min(T, self.size)
-        slots = torch.arange(T - keep, T, device=k_BGTDh.device) % self.size
+        slots = torch.arange(self.pos + T - keep, self.pos + T, device=k_BGTDh.device) % self.size
         self.k_BGSDh.index_copy_(2, slots, k_BGTDh[:, :, T - keep:])
         self.v_BGSDh.index_copy_(2, slots, v_BGTDh[:, :, T - keep:])
-        self.pos = T
-        return attend(q_BHTDh, k_BGTDh, v_BGTDh, mask)
+        self.pos += T
+        if T > 1:
+            return attend(q_BHTDh, k_BGTDh, v_BGTDh, mask)
+        n = min(self.pos, self.size)
+        return F.scaled_dot_product_attention(q_BHTDh, self.k_BGSDh[:, :, :n], self.v_BGSDh[:, :, :n], enable_gqa=True)
 
 
 class FeedForward(nn.Module):
@@ -371,13 +314,11 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     """Why torch's grouped GEMM cannot run these operands, or None when it can."""
     if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped_mm"
-    if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (8, 0):
-            return "grouped_mm on CUDA needs compute capability >= 8.0"
-    elif x.device.type != "cpu":
+    if x.device.type not in ("cpu", "cuda"):
         return f"grouped_mm is not available on {x.device.type}"
-    # The kernels need 16-byte aligned strides (checked on torch 2.13).
-    for w in weights:
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "grouped_mm on CUDA needs compute capability >= 8.0"
+    for w in weights:  # the kernels need 16-byte aligned strides
         if any((s * w.element_size()) % 16 for s in w.shape[1:]):
             return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
     return None
@@ -388,19 +329,15 @@ def _grouped_mm(x_ND, w_EDO, offs_E):
     return fn(x_ND, w_EDO, offs=offs_E)
 
 
-# grouped_mm's tracing (fake) kernel accepts only bf16, while the CPU kernel also runs fp32: under torch.compile
-# fp32 grouped GEMMs run eagerly (a graph break) instead of failing to trace.
+# grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs fp32: compiled fp32 runs it eagerly.
 _grouped_mm_eager = torch.compiler.disable(_grouped_mm)
 
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
-    """SwiGLU of each expert on its contiguous slice of x (tokens sorted by expert; counts_E tokens each), each row
-    times scale_N if given (the router's gates: applied to the I-wide activation before the down projection, the
-    same as scaling the D-wide output but cheaper). gate_up_EHD is [E, 2I, D] (gate rows first), down_EDI is
-    [E, D, I]. `impl`: "grouped" (torch grouped GEMM), "loop" (one matmul per expert, the reference), "rows" (each
-    row's expert weights gathered, one batched matmul) or "auto": "rows" on CPU without gradients when there are
-    fewer rows than experts (decoding: the CPU grouped GEMM runs one matmul per expert, empty ones included, 256 of
-    them for 4 rows), else grouped where it runs, else the loop, with a warning."""
+    """SwiGLU of each expert on its slice of x (rows sorted by expert, counts_E each), activations times scale_N (the
+    gates) before the down projection. gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped"
+    (grouped GEMM), "loop" (one matmul per expert, the reference), "rows" (each row's weights gathered, one bmm) or
+    "auto": rows on CPU without grad when rows < experts (decoding), else grouped where it runs, else loop (warns)."""
     if impl == "auto" and x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) < len(counts_E):
         impl = "rows"
     if impl == "auto":
@@ -424,12 +361,10 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         rows = counts_E.tolist()
         act_NI = swiglu(torch.cat([F.linear(x_nD, w_HD.to(dtype))
                                    for x_nD, w_HD in zip(x_ND.split(rows), gate_up_EHD.unbind(0))]))
-        return torch.cat([F.linear(act_nI, w_DI.to(dtype)) for act_nI, w_DI in zip(act_NI.split(rows),
-                                                                                   down_EDI.unbind(0))])
-    if x_ND.is_cuda:  # CUDA grouped GEMM wants bf16 operands (fp32 master weights under autocast included)
-        x_ND, gate_up_EHD, down_EDI = x_ND.bfloat16(), gate_up_EHD.bfloat16(), down_EDI.bfloat16()
-    else:
-        gate_up_EHD, down_EDI = gate_up_EHD.to(dtype), down_EDI.to(dtype)
+        return torch.cat([F.linear(act_nI, w_DI.to(dtype))
+                          for act_nI, w_DI in zip(act_NI.split(rows), down_EDI.unbind(0))])
+    mm_dtype = torch.bfloat16 if x_ND.is_cuda else dtype  # CUDA's grouped GEMM wants bf16 (fp32 masters included)
+    x_ND, gate_up_EHD, down_EDI = x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype), down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
     act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E))
@@ -437,15 +372,12 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored stacked (HF layout): gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I].
-
-    forward takes tokens already sorted by expert and the count per expert, so the same computation serves the
-    local path here and the expert-parallel path (parallel.py sends each rank the tokens of its experts and runs
-    expert_ffn on its local weights). `impl` picks the kernel, see expert_ffn."""
+    """E SwiGLU experts stacked (HF layout): gate_up_proj [E, 2I, D], down_proj [E, D, I]. Takes rows sorted by
+    expert, so parallel.py's expert-parallel path runs the same expert_ffn on its local weights."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.impl = "auto"
+        self.impl = "auto"  # see expert_ffn
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
@@ -454,9 +386,8 @@ class GroupedExperts(nn.Module):
 
 
 class _SortedRows(torch.autograd.Function):
-    """x_ND -> x_MD, row m holding token order_M[m] // K (each token K times, sorted by expert). The backward
-    gathers each token's K row gradients and sums them in a fixed order; index_select's own backward would add them
-    with atomics on CUDA."""
+    """x_ND -> x_MD, row m holding token order_M[m] // K. The backward sums each token's K row gradients in a fixed
+    order; index_select's own backward adds them with atomics on CUDA."""
 
     @staticmethod
     def forward(ctx, x_ND, order_M, inverse_M, K: int):
@@ -471,15 +402,13 @@ class _SortedRows(torch.autograd.Function):
 
 
 def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
-    """How many times each of 0..n-1 occurs in ids_M (int64). bincount on CUDA reads the largest id back to the host
-    to size its output, a sync per call; a scatter-add into n counters does not."""
+    """How often each of 0..n-1 occurs in ids_M. Not bincount: on CUDA it syncs to read the largest id."""
     return torch.zeros(n, dtype=torch.int64, device=ids_M.device).scatter_add_(0, ids_M, torch.ones_like(ids_M))
 
 
 @dataclass
 class RouterStats:
-    """What the routers of all MoE layers did in one forward: the expert-bias update and the metrics read the counts,
-    training adds both losses (each already times its coefficient) to the LM loss."""
+    """What all MoE layers' routers did in one forward; both losses are already times their coefficients."""
     counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
     aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
     z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
@@ -490,11 +419,9 @@ class RouterStats:
 
 
 class MoE(nn.Module):
-    """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping, no capacity factor.
-
-    forward returns (y_BTD, (counts_E, aux_loss, z_loss)): its output and this layer's share of RouterStats, as plain
-    tensors, so that compiled, checkpointed and FSDP-wrapped blocks pass them through. Activation checkpointing
-    re-runs forward during backward but returns the first forward's outputs, so every token is counted once."""
+    """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping. forward returns (y_BTD,
+    (counts_E, aux_loss, z_loss)) as plain tensors, which compiled, checkpointed and FSDP blocks pass through;
+    activation checkpointing's re-run returns the first forward's outputs, so every token is counted once."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -505,13 +432,13 @@ class MoE(nn.Module):
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         # Selection bias, updated by the balancing rule once per optimizer step, never by gradients.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
-        # How rows are added back into tokens: "index_add" (fastest on CPU, deterministic there), "gather" (no
-        # atomics: bitwise reproducible on CUDA too), "auto" (gather on CUDA, index_add elsewhere).
+        # Adding rows back into tokens: "index_add" (fastest on CPU), "gather" (no atomics: bitwise reproducible on
+        # CUDA), "auto" (gather on CUDA, index_add elsewhere).
         self.combine = "auto"
 
     def route(self, x_ND):
-        """Returns (expert ids [N, K], gate weights [N, K], sigmoid scores [N, E], router logits [N, E])."""
-        with torch.autocast(x_ND.device.type, enabled=False):  # the router runs in fp32, also under autocast
+        """(expert ids [N, K], gates [N, K], sigmoid scores [N, E], router logits [N, E]); fp32 even under autocast."""
+        with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
         _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
@@ -523,14 +450,11 @@ class MoE(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
-
         counts_E = count_ids(experts_NK.flatten(), self.n_experts)
         zero = torch.zeros((), device=x_ND.device)
         aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else zero
         z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else zero
-
-        # Sort the M = N*K (token, choice) pairs by expert, run each expert on its contiguous slice of rows (the gate
-        # scales each row inside the expert), add each row into its token.
+        # The M = N*K (token, choice) rows sorted by expert; the gate scales each row inside the expert.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
         scale_M = gates_NK.flatten()[order_M]
         if self.combine == "index_add" or (self.combine == "auto" and not x_ND.is_cuda):
@@ -538,9 +462,7 @@ class MoE(nn.Module):
             # index_select, not x_ND[token_M]: its backward is one index_add, the indexing's a slower index_put.
             y_MD = self.experts(x_ND.index_select(0, token_M), counts_E, scale_M)
             y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
-        else:
-            # Where index_add_ adds with atomics (CUDA), its sums change from run to run. Here each token's K rows
-            # are gathered back into [N, K, D] and summed in a fixed order, forward and backward.
+        else:  # each token's K rows gathered into [N, K, D] and summed in a fixed order, forward and backward
             inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_ND.device))
             y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.top_k), counts_E, scale_M)
             y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.top_k, D).sum(1)
@@ -549,16 +471,14 @@ class MoE(nn.Module):
         return y_ND.view(B, T, D), (counts_E, aux_loss, z_loss)
 
     def balance_loss(self, experts_NK, scores_NE, B, T):
-        """aux_loss_coef * mean over sequences of sum_i f_i * P_i, with f_i = E/(K*T) * (tokens of the sequence whose
-        top-k holds i) and P_i = mean over its tokens of s_i / sum_j s_j."""
+        """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (tokens of the sequence whose top-k
+        holds i), P_i = mean over its tokens of s_i / sum_j s_j."""
         E, K = self.n_experts, self.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
         return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
-
-# --- expert load balancing: run once per optimizer step on the counts of the whole global batch
 
 def max_vio(counts_E: torch.Tensor) -> float:
     """The report's balance metric: max_i (n_i - mean n) / mean n."""
@@ -569,15 +489,14 @@ def max_vio(counts_E: torch.Tensor) -> float:
 @torch.no_grad()
 def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", lam: float = 5e-4,
                        beta: float = 0.5, kappa: float = 2.0, gamma: float = 1e-3):
-    """Moves the selection bias toward balance, in place. "smebu" (Trinity Large): soft-clamped, re-centred,
-    momentum-smoothed steps v = (mean n - n)/mean n, d = lam * tanh(kappa * v) - mean, m = beta*m + (1-beta)*d,
-    b += m (momentum_E is updated in place). "sign" (DeepSeek-V3): b += gamma * sign(mean n - n), re-centred."""
+    """Moves the selection bias toward balance in place, once per optimizer step on the global batch's counts.
+    "smebu" (Trinity Large): v = (mean n - n)/mean n, d = lam * tanh(kappa * v) re-centred, m = beta*m + (1-beta)*d
+    (momentum_E in place), b += m. "sign" (DeepSeek-V3): b += gamma * sign(mean n - n), re-centred."""
     counts_E = counts_E.float()
     mean = counts_E.mean().clamp(min=1e-9)
     if rule == "smebu":
         delta_E = lam * torch.tanh(kappa * (mean - counts_E) / mean)
-        delta_E -= delta_E.mean()
-        momentum_E.mul_(beta).add_((1 - beta) * delta_E)
+        momentum_E.mul_(beta).add_((1 - beta) * (delta_E - delta_E.mean()))
         bias_E += momentum_E
     elif rule == "sign":
         delta_E = gamma * torch.sign(mean - counts_E)
@@ -589,67 +508,52 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
 # ------------------------------------------------------------------------------------------------------------------
 # The output head fused with the loss
 
-# The head's logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk that stays in cache is
-# faster than all rows at once; on a GPU the chunk only bounds memory.
+# Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache is faster than all rows.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
+
+# A row's exponentials need no shift by its max when their sum lies here: none overflows, and those that underflow
+# are below 1e-18 of the sum. A chunk with a row outside is redone shifted, and so are the chunks after it.
+UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
 def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
 
 
-# A row's exponentials need no shift by its max when their sum lies in this range (log-sum-exp between -46 and 69):
-# none overflows, and those that underflow are below 1e-18 of the sum. A language model's head rows almost always
-# do; a chunk with a row that does not is computed again with each row's max subtracted, and so are the chunks
-# after it in the same call. The check is read on the host, once per chunk until then.
-UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
-
-
 def fp32_matmul_is_exact(device: torch.device) -> bool:
-    """Whether fp32 matmuls on this device run in full fp32, not in TF32 or bf16 passes (which
-    torch.set_float32_matmul_precision or a backend's fp32_precision can allow). Read from the backend's own
+    """Whether fp32 matmuls on this device run in full fp32 (not TF32 or bf16 passes). Read from the backend's own
     setting: the global getter raises once the legacy and the per-backend APIs have both been used."""
     backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
     return getattr(backend, "fp32_precision", "none") in ("none", "ieee")  # "none": not set, full fp32
 
 
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
-    """Cross-entropy of the logits h @ weight.T against targets (rows whose target is -100 are ignored, as in
-    F.cross_entropy), a chunk of rows at a time, so the [N, V] logits never exist whole. Returns (mean loss, number
-    of valid rows) and, with grads, the gradients of the summed loss with respect to h and weight, computed in the
-    same pass from each chunk's exponentials E (overwriting its logits) and their row sums s:
-      fp32 matmuls: dh = (E @ weight) / s - weight[target], dweight = E.T @ (h / s) - onehot.T @ h, so the
-          division and the one-hot touch [N, D] tensors, never the [rows, V] chunk;
-      matmuls that round their inputs (autocast, or fp32 allowed TF32 or bf16 passes: fp32_matmul_is_exact): E
-          becomes softmax - onehot in fp32 first, as F.cross_entropy's gradient does, so a confident row's
-          gradient is not the difference of two rounded numbers.
-    The softmax and the weight gradient's sum over chunks stay fp32. Ignored rows are zeroed on the [N, D] side."""
+    """Cross-entropy of h @ weight.T against targets (-100 ignored), a chunk of rows at a time: the [N, V] logits
+    never exist whole. Returns (mean loss, valid rows) and with grads the summed loss's gradients for h and weight,
+    from each chunk's exponentials E and row sums s. Exact fp32 matmuls: dh = E @ W / s - W[t], dW = E.T @ (h / s) -
+    onehot.T @ h, never dividing [rows, V]; matmuls that round take softmax - onehot in fp32 first, as F.cross_entropy
+    does, so a confident row's gradient is not the difference of two rounded numbers."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
-    rows = max(1, -(-N // n_chunks))  # equal chunks, none over the budget (no short last chunk that reads all of W)
+    rows = max(1, -(-N // n_chunks))  # equal chunks: no short last one that reads all of W for a few rows
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
         exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
-        picked_N1 = torch.empty(N, 1, dtype=torch.float32, device=device)
-        lse_N1 = torch.empty(N, 1, dtype=torch.float32, device=device)
+        picked_N1, lse_N1 = (torch.empty(N, 1, dtype=torch.float32, device=device) for _ in range(2))
         if grads:
             dh_ND = torch.empty_like(h_ND)
-            dweight_VD = torch.empty(V, D, dtype=torch.float32, device=device)  # the first chunk overwrites it
+            dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
-            if not fp32:
-                minus_one_C1 = torch.full((min(rows, N), 1), -1.0, device=device)
+            minus_one_C1 = None if fp32 else torch.full((min(rows, N), 1), -1.0, device=device)
 
         def logits(h, out):
-            if fp32:
-                torch.mm(h, weight_VD.t(), out=out)
-            else:
-                out.copy_(h @ weight_VD.t())
+            return torch.mm(h, weight_VD.t(), out=out) if fp32 else out.copy_(h @ weight_VD.t())
 
-        shifted = False  # once a chunk leaves UNSHIFTED_SUM_RANGE, the rest of the rows subtract their max at once
+        shifted = False
         for start in range(0, N, rows):
             end = min(start + rows, N)
             e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
@@ -665,33 +569,26 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
                 shift = e.amax(-1, keepdim=True)
                 s = e.sub_(shift).exp_().sum(-1, keepdim=True)
             torch.add(s.log(), shift, out=lse_N1[start:end])
-            if not grads:
-                continue
-            if fp32:  # the division by s here, on [rows, D]; the one-hot's share after the loop
+            if grads and fp32:  # the one-hot's share after the loop
                 torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
-                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s, beta=1 if start else 0)
-            else:  # softmax - onehot in fp32, then rounded for the matmuls
+                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
+            elif grads:
                 g = e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]).to(mm_dtype)
                 torch.mm(g, weight_VD, out=dh_ND[start:end])
-                update_VD = g.t() @ h_valid_ND[start:end]
-                if start:
-                    dweight_VD += update_VD
-                else:
-                    dweight_VD.copy_(update_VD)
+                dweight_VD += g.t() @ h_valid_ND[start:end]
         n_valid = valid_N1.sum()
         loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
     if not grads:
         return loss, n_valid
-    if fp32:  # the one-hot's share of both gradients
+    if fp32:
         dh_ND.sub_(weight_VD.index_select(0, targets_N1.squeeze(1)))
         dweight_VD.index_add_(0, targets_N1.squeeze(1), h_valid_ND, alpha=-1)
     return loss, n_valid, dh_ND.mul_(valid_N1), dweight_VD
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """head_cross_entropy as an autograd function: forward computes the gradients and keeps them ([N, D] and
-    [V, D]) instead of any [N, V] tensor; backward only scales them by the upstream gradient over the number of
-    valid rows (in place: backward runs once)."""
+    """head_cross_entropy whose forward keeps the gradients ([N, D], [V, D]) instead of any [N, V] tensor; backward
+    scales them in place by the upstream gradient over the valid rows."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
@@ -745,10 +642,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, draw=None):
-        """Initialise every parameter and buffer : truncated normal on [-3σ, 3σ] for weights, unit
-        pre-norm gains, 1/sqrt(n_layers) post-norm gains, zero expert bias. Works shard by shard on DTensors
-        after `to_empty`, so a large model is never materialised on one device. `draw(tensor, init)` applies each
-        init in place, in a fixed order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
+        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias.
+        Works shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each init in place, in a fixed
+        order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
         draw = draw or (lambda tensor, init: init(tensor))
         std = self.cfg.init_std
         normal = lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std)  # noqa: E731
@@ -768,35 +664,31 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None,
                 return_stats: bool = False):
-        """Logits [B, T, V]; with targets instead the mean token cross-entropy (head_loss). doc_ids_BT (document
-        index per token) restricts attention to each token's document. return_stats: (that, RouterStats), the
-        routers' counts and balance losses, as training needs them. With a cache (new_cache), tokens_BT continue the
-        cached ones (the whole prompt first, then one token a call), attention is always SDPA, and only the last
-        position's logits [B, 1, V] are made."""
-        B, T = tokens_BT.shape
+        """Logits [B, T, V], or with targets the mean cross-entropy (head_loss). doc_ids_BT (document per token) keeps
+        attention within documents. return_stats adds RouterStats. With a cache (new_cache) tokens_BT continue the
+        cached ones, attention is SDPA, and only the last position's logits [B, 1, V] are made."""
+        T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
             x_BTD = x_BTD * math.sqrt(self.cfg.dim)
         start, flex = (0, None) if cache is None else (cache[0].pos, False)
         cos_TDh, sin_TDh = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens_BT.device, start)
         window = self.cfg.window if self.cfg.window < T else None
-        masks = {False: make_mask(T, window, doc_ids_BT, tokens_BT.device, flex),
-                 True: make_mask(T, None, doc_ids_BT, tokens_BT.device, flex)}
+        masks = {is_global: make_mask(T, None if is_global else window, doc_ids_BT, tokens_BT.device, flex)
+                 for is_global in (False, True)}
         routers = []
         for block, layer_cache in zip(self.layers.values(), cache or [None] * len(self.layers)):
             x_BTD, router = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
             routers += [router] if router is not None else []
-        if cache is not None:
-            out = self.head(self.norm(x_BTD[:, -1:]))
-        else:
-            h_BTD = self.norm(x_BTD)
-            out = self.head(h_BTD) if targets_BT is None else self.head_loss(h_BTD, targets_BT)
+        h_BTD = self.norm(x_BTD if cache is None else x_BTD[:, -1:])
+        out = self.head_loss(h_BTD, targets_BT) if targets_BT is not None and cache is None else self.head(h_BTD)
         if not return_stats:
             return out
+        counts, aux, z = zip(*routers) if routers else ((), (), ())
         zero = torch.zeros((), device=x_BTD.device)
-        counts_LE = (torch.stack([c for c, _, _ in routers]) if routers
+        counts_LE = (torch.stack(counts) if counts
                      else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64, device=x_BTD.device))
-        return out, RouterStats(counts_LE, sum((a for _, a, _ in routers), zero), sum((z for _, _, z in routers), zero))
+        return out, RouterStats(counts_LE, sum(aux, zero), sum(z, zero))
 
     def head_loss(self, h_BTD, targets_BT):
         """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits."""
@@ -805,13 +697,11 @@ class Transformer(nn.Module):
             return _HeadCrossEntropy.apply(h_ND, self.head.weight, targets_N)
         return head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)[0]
 
-    # --- counting: works on a meta-device model, so `large` is never allocated
-
     def num_params(self) -> dict:
+        """Total and active (one token's share of the routed experts) counts; works on a meta-device model."""
         total = sum(p.numel() for p in self.parameters())
         routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in self.moe_layers())
-        active = total - routed + routed * self.cfg.top_k // self.cfg.n_experts
-        return {"total": total, "active": active}
+        return {"total": total, "active": total - routed + routed * self.cfg.top_k // self.cfg.n_experts}
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 * (matmul weights one token touches, embedding table excluded) + 12 * sum_l H * Dh * ctx_l."""
@@ -821,8 +711,6 @@ class Transformer(nn.Module):
         ctx = sum(seq_len if cfg.is_global(i) else min(cfg.window, seq_len) for i in range(cfg.n_layers))
         return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * ctx
 
-    # --- generation
-
     def new_cache(self, length: int) -> list[KVCache]:
         """An empty KV cache for sequences of up to `length` tokens, one KVCache per layer."""
         return [KVCache(length, None if self.cfg.is_global(i) else self.cfg.window) for i in range(self.cfg.n_layers)]
@@ -830,11 +718,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, allowed_V: torch.Tensor | None = None):
-        """Sample max_new_tokens after each row of tokens_BT (rows of one prompt length); returns [B, T + new].
-        The prompt runs once into a KV cache, then each step runs only the newest token, eagerly (compiled blocks
-        included: no recompilation per length). temperature 0 is greedy; see sample_next for top_k, top_p and
-        allowed_V. Every rank of a sharded model takes part in each forward, so all ranks must call it with the
-        same tokens and the same RNG state."""
+        """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
+        cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
+        arguments. A sharded model's ranks must all call it with the same tokens and RNG state."""
         B, T = tokens_BT.shape
         if T + max_new_tokens > self.cfg.max_seq_len:
             _warn_once(f"generating {T + max_new_tokens} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
@@ -843,28 +729,25 @@ class Transformer(nn.Module):
         cache, next_BT = self.new_cache(T + max_new_tokens), tokens_BT
         with torch.compiler.set_stance("force_eager"):
             for t in range(T, T + max_new_tokens):
-                logits_BV = self(next_BT, cache=cache)[:, -1]
-                next_BT = sample_next(logits_BV, temperature, top_k, top_p, allowed_V)
+                next_BT = sample_next(self(next_BT, cache=cache)[:, -1], temperature, top_k, top_p, allowed_V)
                 out_BS[:, t] = next_BT[:, 0]
         return out_BS
 
 
 def top_p_filter(logits_BV, top_p: float | None):
-    """-inf outside each row's nucleus: the smallest set of most likely tokens whose probability reaches top_p (a
-    token is kept while the tokens ranked above it hold less than top_p)."""
+    """-inf outside each row's nucleus: a token is kept while the tokens ranked above it hold less than top_p."""
     if top_p is None or top_p >= 1:
         return logits_BV
     sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
     probs_BV = torch.softmax(sorted_BV, -1)
-    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass ranked above a token already reaches top_p
+    drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p
     return logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
 
 
 def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 allowed_V: torch.Tensor | None = None):
-    """One token id per row [B, 1]: the argmax at temperature 0; else drawn from softmax(logits / temperature)
-    restricted to the top_k most likely ids, then to the top_p nucleus of those. allowed_V: True for the ids that
-    may come out (those a tokenizer can decode: the embedding is padded past them)."""
+    """One id per row [B, 1]: the argmax at temperature 0, else drawn from softmax(logits / temperature) over the
+    top_k ids, then their top_p nucleus. allowed_V: True for ids that may come out (the tokenizer's, not padding)."""
     logits_BV = logits_BV.float()
     if allowed_V is not None:
         logits_BV = logits_BV.masked_fill(~allowed_V, float("-inf"))
@@ -883,19 +766,14 @@ def meta_model(cfg: ModelConfig) -> Transformer:
         return Transformer(cfg)
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in fields(ModelConfig)]
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=PRESETS, help="run one forward pass of this preset on CPU")
     args = parser.parse_args()
     if args.preset:
         cfg = PRESETS[args.preset]
-        model = Transformer(cfg)
         tokens_BT = torch.randint(0, cfg.vocab_size, (2, min(cfg.max_seq_len, 128)))
-        loss = model(tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
+        loss = Transformer(cfg)(tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
         print(f"{args.preset}: loss at init {loss.item():.3f} (ln V = {math.log(cfg.vocab_size):.3f})")
     for name, cfg in PRESETS.items():
         m = meta_model(cfg)
