@@ -254,11 +254,8 @@ def _text_batches(files: list[str], text_field: str, max_chars: int = 1 << 20):
     yield texts, nbytes
 
 
-_worker_encoding = None
-
-
 def _init_worker(encoding: str) -> None:
-    global _worker_encoding
+    global _worker_encoding  # each tokenising process loads the tokenizer once
     _worker_encoding = get_encoding(encoding)
 
 
@@ -455,14 +452,6 @@ def load_manifest(data_dir: str) -> dict:
     return manifest
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a cheap hash whose every output bit depends on every input bit (uint64 wraps)."""
-    x = x * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     """index mapped through a seeded permutation of range(n) in O(1) memory: a Feistel network permutes the smallest
     2k-bit domain holding n (< 4n values); re-applying it to values >= n ("cycle-walking") lands back in range(n)."""
@@ -472,8 +461,11 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
 
     def encrypt(x):
         left, right = x >> shift, x & mask
-        for key in keys:
-            left, right = right, left ^ (_mix(right ^ key) & mask)
+        for key in keys:  # the round function is splitmix64's finaliser: every output bit depends on every input bit
+            h = (right ^ key) * np.uint64(0x9E3779B97F4A7C15)  # uint64 wraps
+            h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            left, right = right, left ^ ((h ^ (h >> np.uint64(31))) & mask)
         return (left << shift) | right
 
     x = encrypt(np.asarray(index, dtype=np.uint64))
@@ -509,15 +501,13 @@ class DataLoader:
             _require(name == manifest["tokenizer"], f"{data_dir} was tokenized with {manifest['tokenizer']} but the "
                      f"model is configured for {name}; prepare the data with --encoding {name} or point the run at "
                      f"data tokenized with it")
-        self.eot_id, self.dtype = manifest["eot_id"], np.dtype(manifest["dtype"])
-        self.shards = manifest["splits"][split]
+        self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest["eot_id"], manifest["dtype"]
         shortest = min(self.shards, key=lambda s: s["tokens"])
         _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
                  f"{split} shard {shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
                  f"prepare more data (or a larger --val_fraction for the val split)")
         # sequences are the windows of seq_len + 1 tokens at stride seq_len inside one shard
-        windows = [(shard["tokens"] - 1) // seq_len for shard in self.shards]
-        self.first_window = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)
+        self.first_window = np.cumsum([0] + [(shard["tokens"] - 1) // seq_len for shard in self.shards], dtype=np.int64)
         self.num_sequences = int(self.first_window[-1])
         _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_dir} holds "
                  f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
@@ -535,11 +525,10 @@ class DataLoader:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
         B, T = self.global_batch // self.world_size, self.seq_len
         sample = step * self.global_batch + self.rank * B + np.arange(B, dtype=np.int64)
-        epoch, position = np.divmod(sample, self.num_sequences)
-        sequence = position.copy()
+        epoch, sequence = np.divmod(sample, self.num_sequences)  # epoch ascends, so its runs concatenate in order
         if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
-            for e in np.unique(epoch):
-                sequence[epoch == e] = permute(position[epoch == e], self.num_sequences, self.seed, int(e))
+            sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
+                                       for e in np.unique(epoch)])
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
         start = (sequence - self.first_window[shard]) * T
         rows_BT = np.stack([self._shard(int(k))[s:s + T + 1] for k, s in zip(shard, start)]).astype(np.int64)
