@@ -5,9 +5,11 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
+    loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
+    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
 
 On disk: {train,val}_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token
-after every document) and manifest.json, written last. DataLoader.batch(step) is a pure function of (seed, step).
+after every document) and manifest.json, written last.
 """
 
 import argparse
@@ -230,7 +232,8 @@ def _read_documents(path: str, text_field: str):
         except ImportError:
             raise DataError(f"reading {path} needs pyarrow, which is not installed; run `pip install pyarrow` "
                             f"or convert the file to .jsonl") from None
-        names = (parquet := pq.ParquetFile(path)).schema_arrow.names
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
         _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
                  f"with the name of the column that holds the text")
         for batch in parquet.iter_batches(columns=[text_field]):
@@ -354,7 +357,7 @@ class _ShuffleBuffer(_ShardWriter):
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
             shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir; and returns the manifest."""
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
     say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
     _require(0 < val_fraction < 1, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
     _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
