@@ -551,8 +551,8 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     elif (n_vocab := data.get_encoding(tokenizer).n_vocab) > cfg.vocab_size:
         raise ValueError(f"tokenizer {tokenizer} has {n_vocab} token ids but the model in {path} only "
                          f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
-    meta = {n.removeprefix("model."): m for n, m in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-            if n.startswith("model.")}
+    saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = {n.removeprefix("model."): m for n, m in saved_meta.items() if n.startswith("model.")}
     names = list(meta_model(cfg).state_dict())
     missing = [n for n in names if n not in meta]
     if missing:
@@ -697,7 +697,8 @@ def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 def _sample(args):
-    checks = [("temperature", args.temperature >= 0, "0 (greedy) or more"), ("top_k", args.top_k >= 0, "0 (off) or more"),
+    checks = [("temperature", args.temperature >= 0, "0 (greedy) or more"),
+              ("top_k", args.top_k >= 0, "0 (off) or more"),
               ("top_p", 0 < args.top_p <= 1, "above 0 and at most 1 (1: off)"),
               ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
               ("num_samples", args.num_samples >= 1, "at least 1")]
