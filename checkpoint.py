@@ -1,32 +1,20 @@
 """
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
-A checkpoint is written with torch.distributed.checkpoint (DCP): every rank writes its own shards of the model and
-optimizer, keyed by parameter name, and any other layout (another world size, FSDP or not) reads them back. Tensors
-are the only thing DCP stores; everything else is JSON, so loading never unpickles code.
+Each rank writes its shards of the model and optimizer with torch.distributed.checkpoint (DCP), keyed by parameter
+name, so any layout reads them back; the rest is JSON (loading never unpickles code). A save goes to step_N.tmp,
+renamed step_N once COMPLETE is written, so a run killed mid-save leaves the previous checkpoint the newest.
 
-    ckpt_root/step_00000010/
-        .metadata, __0_0.distcp, ...   model and optimizer tensors (DCP, one data file per rank)
-        config.json                    the resolved training config, the model config under "model"
-        state.json                     step, world size, the "train" dict, the optimizer's non-tensor settings
-        rng_00000.json, ...            each rank's RNG states: torch CPU and CUDA, numpy, python
-        COMPLETE                       written last, once every rank has finished writing
+    ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
+                              config.json, state.json       training config; step, world size, "train", optimizer
+                              rng_00000.json, ..., COMPLETE  each rank's RNG states; the marker, written last
 
-A save is written into step_00000010.tmp, and rank 0 renames it after the marker is in place, so a run killed
-mid-save leaves the previous checkpoint as the newest complete one.
-
-    python checkpoint.py ls out/ckpt                         # the checkpoints under a root: step, complete, size
-    python checkpoint.py export out/ckpt out/hf              # the newest complete checkpoint -> Hugging Face folder,
-                                                             # weights and the tokenizer its data was prepared with
-    python checkpoint.py export out/ckpt/step_00000010 out/hf
+    python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
+    python checkpoint.py export out/ckpt out/hf              # newest complete one (or step_N) -> HF folder + tokenizer
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
-    from checkpoint import save, load, latest, load_latest, export_hf, load_hf, load_hf_into
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
-    wait()                                                   # on every rank, before the next save and at exit
-    train_state = load(latest("out/ckpt"), {"model": model, "optim": optim}, config)
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim}, config)  # skips damaged ones
-    cfg, state_dict = load_hf("out/hf")                      # our ModelConfig and a state dict for Transformer(cfg)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 """
 
@@ -41,10 +29,14 @@ import shutil
 import sys
 import time
 import warnings
+from collections import namedtuple
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, is_dataclass
+from functools import cache
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -53,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 import data
-from model import ModelConfig, config_fields
+from model import ModelConfig, config_fields, meta_model
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -61,38 +53,27 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?u
 # ------------------------------------------------------------------------------------------------------------------
 # Our state-dict names <-> transformers' AfmoeForCausalLM names
 
-# Our name -> transformers' name, per layer ("{}" is the layer index). Everything else is one-to-one below.
-_LAYER_KEYS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_post_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_mlp_layernorm.weight",
-    "ffn_post_norm.weight": "post_mlp_layernorm.weight",
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+_LAYER_KEYS = {  # ours -> transformers', inside layer i
+    "attn_norm.weight": "input_layernorm.weight", "attn_post_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_mlp_layernorm.weight", "ffn_post_norm.weight": "post_mlp_layernorm.weight",
     **{f"attn.{p}.weight": f"self_attn.{p}.weight"
        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "q_norm", "k_norm")},
-    **{f"ffn.{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")},
-    **{f"ffn.shared.{p}.weight": f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")},
-    "ffn.router.weight": "mlp.router.gate.weight",
-    "ffn.expert_bias": "mlp.expert_bias",
-    "ffn.experts.gate_up_proj": "mlp.experts.gate_up_proj",
-    "ffn.experts.down_proj": "mlp.experts.down_proj",
-}
+    **{f"ffn.{p}.weight": f"mlp.{p}.weight" for p in _PROJ},
+    **{f"ffn.shared.{p}.weight": f"mlp.shared_experts.{p}.weight" for p in _PROJ},
+    "ffn.router.weight": "mlp.router.gate.weight", "ffn.expert_bias": "mlp.expert_bias",
+    "ffn.experts.gate_up_proj": "mlp.experts.gate_up_proj", "ffn.experts.down_proj": "mlp.experts.down_proj"}
 _TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "head.weight": "lm_head.weight"}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def _hf_name(ours: str) -> str:
-    if ours in _TOP_KEYS:
-        return _TOP_KEYS[ours]
-    m = _LAYER_RE.fullmatch(ours)
-    if m is None or m.group(2) not in _LAYER_KEYS:
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
+    if m and m.group(2) in _LAYER_KEYS:
+        return f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"
+    if ours not in _TOP_KEYS:
         raise KeyError(f"state-dict key {ours!r} has no Hugging Face counterpart")
-    return f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"
-
-
-def _our_names(cfg: ModelConfig) -> list[str]:
-    from model import meta_model
-    return list(meta_model(cfg).state_dict().keys())
+    return _TOP_KEYS[ours]
 
 
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
@@ -109,19 +90,15 @@ def _check_hf_names(present: set, wanted: dict):
 
 def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
-    wanted = {_hf_name(k): k for k in _our_names(cfg)}
+    wanted = {_hf_name(k): k for k in meta_model(cfg).state_dict()}
     _check_hf_names(set(hf_sd), wanted)
-    out = {}
-    for hf_key, ours in wanted.items():
-        t = hf_sd[hf_key]
-        out[ours] = t.float() if ours.endswith("expert_bias") else t
-    return out
+    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in wanted.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # JSON for the small non-DCP data: exact tensors (raw bytes, base64), tuples and non-string dict keys survive
 
-_TAGS = ("__tensor__", "__tuple__", "__items__")
+_TAGS = {"__tensor__", "__tuple__", "__items__"}
 
 
 def _encode(obj, where: str):
@@ -132,15 +109,14 @@ def _encode(obj, where: str):
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                 "data": base64.b64encode(raw).decode("ascii")}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (tuple, list)):
+        items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+        if all(isinstance(k, str) for k in obj) and not _TAGS & obj.keys():
             return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    if type(obj).__module__ == "numpy" and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:
+    if isinstance(obj, np.generic):
         return obj.item()  # a numpy scalar comes back as the python number
     raise TypeError(f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store; "
                     f"use numbers, strings, lists, tuples, dicts or tensors.")
@@ -152,11 +128,9 @@ def _decode(obj):
     if not isinstance(obj, dict):
         return obj
     if "__tensor__" in obj:
-        dtype = getattr(torch, obj["__tensor__"])
-        raw = base64.b64decode(obj["data"])
-        if not raw:
-            return torch.empty(obj["shape"], dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(obj["shape"])
+        dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(obj["shape"])
     if "__tuple__" in obj:
         return tuple(_decode(v) for v in obj["__tuple__"])
     if "__items__" in obj:
@@ -167,10 +141,8 @@ def _decode(obj):
 def _config_json(obj):
     if is_dataclass(obj):
         return asdict(obj)
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if isinstance(obj, torch.dtype):
-        return str(obj).removeprefix("torch.")
+    if isinstance(obj, (os.PathLike, torch.dtype)):
+        return os.fspath(obj) if isinstance(obj, os.PathLike) else str(obj).removeprefix("torch.")
     raise TypeError(f"config value {obj!r} of type {type(obj).__name__} is not JSON; "
                     f"use numbers, strings, lists or dicts in the training config.")
 
@@ -183,67 +155,45 @@ def _write(path: str, text: str):
 
 
 def _read_json(ckpt: str, name: str) -> dict:
-    path = os.path.join(ckpt, name)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(ckpt, name)):
         raise FileNotFoundError(f"checkpoint {ckpt} has no {name}; it was not written by this checkpoint.py.")
-    with open(path) as f:
+    with open(os.path.join(ckpt, name)) as f:
         return json.load(f)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# RNG states (saved per rank: each rank draws its own streams)
-
 def rng_state() -> dict:
-    """This process's RNG states: torch CPU, the current CUDA device (if CUDA is in use), numpy, python."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This process's RNG states (saved per rank: each draws its own streams): torch CPU and CUDA, numpy, python."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, keys.tolist(), pos, has_gauss, cached)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)
-    except ImportError:
-        pass
     return state
 
 
 def set_rng_state(state: dict):
-    """Restore what rng_state() returned."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        import numpy as np
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Saving, finding and loading training checkpoints
+# Finding and checking checkpoints
 
 MARKER = "COMPLETE"
 _STEP_RE = re.compile(r"step_(\d+)(\.tmp)?")
-# Fields that do not change the weights' shapes or the function they compute: a run may change them on resume.
-_NOT_ARCHITECTURE = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-
-
-@dataclass
-class _Entry:
-    step: int
-    path: str
-    complete: bool
-    tmp: bool  # a save in progress, or one that was killed
+_Entry = namedtuple("_Entry", "step path complete tmp")  # tmp: a save in progress, or one that was killed
 
 
 def _scan(ckpt_root: str) -> list[_Entry]:
     """Every step directory under ckpt_root, by step."""
-    if not os.path.isdir(ckpt_root):
-        return []
     found = []
-    for name in os.listdir(ckpt_root):
-        m = _STEP_RE.fullmatch(name)
-        path = os.path.join(ckpt_root, name)
+    for name in os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []:
+        m, path = _STEP_RE.fullmatch(name), os.path.join(ckpt_root, name)
         if m and os.path.isdir(path):
             tmp = m.group(2) is not None
             found.append(_Entry(int(m.group(1)), path, not tmp and os.path.isfile(os.path.join(path, MARKER)), tmp))
@@ -252,8 +202,7 @@ def _scan(ckpt_root: str) -> list[_Entry]:
 
 def latest(ckpt_root: str) -> str | None:
     """The newest complete checkpoint directory under ckpt_root, or None."""
-    complete = [e for e in _scan(ckpt_root) if e.complete]
-    return complete[-1].path if complete else None
+    return next((e.path for e in reversed(_scan(ckpt_root)) if e.complete), None)
 
 
 class CorruptCheckpoint(ValueError):
@@ -261,14 +210,12 @@ class CorruptCheckpoint(ValueError):
 
 
 class SaveFailed(RuntimeError):
-    """A save that could not be written (the message says why); its partial files are removed, the previous
-    checkpoint stays the newest complete one."""
+    """A save that could not be written (the message says why); its partial files are removed."""
 
 
 def verify(path: str):
-    """Check that the files of complete checkpoint `path` are all there and whole: .metadata, every .distcp file as
-    long as the tensors it holds, config.json, state.json and each rank's rng file parse. Raises CorruptCheckpoint
-    naming the first bad file; reads no tensor data."""
+    """Check without reading tensor data that complete checkpoint `path` has all its files whole (each .distcp as
+    long as its tensors need, the JSON files parse); raises CorruptCheckpoint naming the first bad file."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -293,14 +240,15 @@ def verify(path: str):
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
-        have = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
             raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
 
 
 def load_latest(ckpt_root: str, state: dict, config=None, say=print) -> tuple[str | None, dict | None]:
-    """load() the newest complete checkpoint under ckpt_root that loads, newest first: a damaged one is skipped with
-    a line saying which and why. (None, None) when there is none; raises CorruptCheckpoint when none loads."""
+    """load() the newest complete checkpoint under ckpt_root that loads, saying which damaged ones it skipped.
+    (None, None) when there is none; raises CorruptCheckpoint when none loads."""
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete]
     for path in complete:
         try:
@@ -330,48 +278,45 @@ def _resolve(path: str) -> str:
     return found
 
 
+def _saved_model_config(path: str) -> tuple[dict, ModelConfig]:
+    """(config.json, its ModelConfig) of complete checkpoint `path`."""
+    saved = _read_json(path, "config.json")
+    if not isinstance(saved.get("model"), dict):
+        raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
+    return saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Saving and loading training checkpoints
+
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _model_config(model) -> ModelConfig | None:
-    for m in (model, getattr(model, "_orig_mod", None)):  # torch.compile wraps the module
-        if isinstance(getattr(m, "cfg", None), ModelConfig):
-            return m.cfg
-    return None
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _resolved_config(config, model) -> dict:
+    """The training config as a dict, with the model's config (as a dict) under "model"."""
     out = asdict(config) if is_dataclass(config) else dict(config or {})
     m = out.get("model")
-    if isinstance(m, ModelConfig):
-        out["model"] = asdict(m)
-    elif m is None and _model_config(model) is not None:
-        out["model"] = asdict(_model_config(model))
-    elif m is not None and not isinstance(m, dict):
+    for module in (model, getattr(model, "_orig_mod", None)):  # torch.compile wraps the module
+        if m is None and isinstance(getattr(module, "cfg", None), ModelConfig):
+            m = module.cfg
+    if m is not None and not isinstance(m, (dict, ModelConfig)):
         raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
-    return out
+    return out if m is None else {**out, "model": asdict(m) if isinstance(m, ModelConfig) else m}
 
 
 @contextmanager
 def _step_hooks_silenced(optim):
-    """get/set_state_dict take a zero-lr optimizer step to create missing state; step hooks (the expert-bias
-    update) must not fire on it."""
-    saved = optim._optimizer_step_pre_hooks.copy(), optim._optimizer_step_post_hooks.copy()
-    optim._optimizer_step_pre_hooks.clear()
-    optim._optimizer_step_post_hooks.clear()
+    """get/set_state_dict take a zero-lr optimizer step to create missing state: the expert-bias hook must not fire."""
+    hooks = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
+    saved = [h.copy() for h in hooks]
+    for h in hooks:
+        h.clear()
     try:
         yield
     finally:
-        optim._optimizer_step_pre_hooks.update(saved[0])
-        optim._optimizer_step_post_hooks.update(saved[1])
+        for h, s in zip(hooks, saved):
+            h.update(s)
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
@@ -388,124 +333,22 @@ def _state_dicts(model, optim) -> tuple[dict, dict]:
     return {"model": model_sd, "optim": tensors}, {k: v for k, v in optim_sd.items() if k not in tensors}
 
 
-_async_group_of: list = [None, None]  # (default group, its gloo group for async saves)
-
-
-def _async_group():
+@cache
+def _gloo_group(world_group):
     """A gloo group for async saves: DCP runs its collectives from a background thread, which must not share a
-    group with the training loop's collectives, and needs a CPU backend even when training uses NCCL."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if _async_group_of[0] is not dist.group.WORLD:
-        _async_group_of[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
-    return _async_group_of[1]
+    group with the training loop's, and needs a CPU backend even when training uses NCCL."""
+    return dist.new_group(backend="gloo")
 
 
-_pending: list[Callable[[], None]] = []
-
-
-def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
-         async_save: bool = False) -> Callable[[], None]:
-    """Write checkpoint `ckpt_root/step_{step:08d}`; every rank calls it.
-
-    state: "model" (nn.Module, plain or FSDP2/DTensor), "optim" (optimizer or None), "train" (dict of plain values
-    and tensors, identical on all ranks), "rng" (optional, this rank's rng_state(); taken now when absent).
-    config: the training config (dict or dataclass); config["model"] is the ModelConfig, taken from the model when
-    absent. Keeps the newest `keep` complete checkpoints (keep <= 0 keeps all).
-    async_save: return as soon as the tensors are copied to CPU and write them in the background.
-    Returns a callable that waits for the write and marks the checkpoint complete; every rank must call it before
-    the next save and before exiting (a synchronous save is complete already and the callable does nothing). Its
-    .done() says whether this rank's write has finished, so a loop can mark the checkpoint complete as soon as every
-    rank's has, without waiting. A write that fails (a full disk) raises SaveFailed, here or from the callable,
-    after removing its partial files; the previous checkpoint stays the newest. Pruning spares other runs'
-    checkpoints: those whose config "run_id" differs from this one's."""
-    while _pending:  # a forgotten wait() of the previous async save
-        _pending[0]()
-    rank, world = _rank_world()
-    model, optim = state["model"], state.get("optim")
-    # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
-    config_text = json.dumps(_resolved_config(config, model), indent=2, default=_config_json)
-    rng_text = json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))
-    tensors, optim_rest = _state_dicts(model, optim)
-    state_text = json.dumps({"step": step, "world_size": world, "train": _encode(state.get("train") or {}, "train"),
-                             "optim": _encode(optim_rest, "optimizer state")}, indent=1)
-
-    final = os.path.join(ckpt_root, f"step_{step:08d}")
-    tmp = final + ".tmp"
-
-    @contextmanager
-    def failing_cleanly():
-        """A write that fails (a full disk) becomes one SaveFailed sentence; its partial files are removed."""
-        try:
-            yield
-        except (OSError, CheckpointException) as e:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            previous = latest(ckpt_root)
-            why = (f"no space left on {ckpt_root}" if _errno(e) == errno.ENOSPC
-                   else f"writing {tmp} failed ({_first_failure(e)})")
-            raise SaveFailed(f"{why}: checkpoint step_{step:08d} not written (its partial files are removed); the "
-                             f"newest checkpoint is still {previous or 'none'}.") from None
-
-    with failing_cleanly():
-        failure = None
-        try:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
-                os.makedirs(tmp)
-        except OSError as e:
-            failure = e
-        _barrier()
-        try:
-            _write(os.path.join(tmp, f"rng_{rank:05d}.json"), rng_text)
-            if rank == 0:
-                _write(os.path.join(tmp, "config.json"), config_text)
-                _write(os.path.join(tmp, "state.json"), state_text)
-        except OSError as e:
-            failure = failure or e
-        _raise_any(failure, world)  # before DCP's collectives
-
-    def commit():
-        _barrier()  # every rank has written all of its files
-        failure = None
-        if rank == 0:
-            try:
-                _write(os.path.join(tmp, MARKER), f"{step}\n")
-                if os.path.isdir(final):  # an earlier save of the same step
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
-                os.fsync(fd)
-                os.close(fd)
-                _prune(ckpt_root, keep, step)
-            except OSError as e:
-                failure = e
-        _raise_any(failure, world)  # no rank moves on before the checkpoint is complete for all
-
-    if not async_save:
-        with failing_cleanly():
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=world == 1 and not dist.is_initialized())
-            commit()
-        return _complete
-    group = _async_group()
-    with failing_cleanly():
-        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
-
-    def wait():
-        if wait in _pending:
-            _pending.remove(wait)
-            with failing_cleanly():
-                future.result()
-                commit()
-
-    wait.done = future.done
-    _pending.append(wait)
-    return wait
-
-
-def _raise_any(failure: OSError | None, world: int):
-    """Every rank raises the first rank's failure, if any rank had one: all of them give up together, and none is
-    left waiting in a collective the others skipped. A barrier otherwise."""
+def _together(world: int, fn: Callable[[], None] | None):
+    """Run fn (if any); then every rank raises the first rank's OSError, if any rank had one, so all give up
+    together and none is left waiting in a collective the others skipped."""
+    failure = None
+    try:
+        if fn is not None:
+            fn()
+    except OSError as e:
+        failure = e
     failures = [failure] * world
     if world > 1:
         dist.all_gather_object(failures, failure)
@@ -514,80 +357,146 @@ def _raise_any(failure: OSError | None, world: int):
         raise failed
 
 
-def _errno(e: BaseException) -> int | None:
-    """The errno of an OSError, also when DCP wrapped it (a CheckpointException holds each rank's exception)."""
-    if isinstance(e, CheckpointException):
-        return next((_errno(exc) for exc, _ in e.failures.values() if _errno(exc) is not None), None)
-    return getattr(e, "errno", None)
-
-
-def _first_failure(e: BaseException) -> str:
-    """One line for an exception, DCP's per-rank CheckpointException included (its str is every rank's traceback)."""
+def _first_failure(e: BaseException) -> tuple[int | None, str]:
+    """(errno, one line) of an exception; of the first rank's for DCP's CheckpointException, whose str is every
+    rank's traceback."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return getattr(e, "errno", None), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
-def _complete():
-    """What a synchronous save returns: its checkpoint is complete already."""
-
-
-_complete.done = lambda: True
-
-
-def _run_id(path: str):
+@contextmanager
+def _failing_cleanly(ckpt_root: str, step: int, rank: int):
+    """A write that fails (a full disk) becomes one SaveFailed sentence; its partial files are removed."""
+    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
     try:
-        return _read_json(path, "config.json").get("run_id")
-    except (OSError, ValueError):
-        return None
+        yield
+    except (OSError, CheckpointException) as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        code, line = _first_failure(e)
+        why = f"no space left on {ckpt_root}" if code == errno.ENOSPC else f"writing {tmp} failed ({line})"
+        raise SaveFailed(f"{why}: checkpoint step_{step:08d} not written (its partial files are removed); the "
+                         f"newest checkpoint is still {latest(ckpt_root) or 'none'}.") from None
 
 
-def _prune(ckpt_root: str, keep: int, step: int):
-    """Delete complete checkpoints of the same run (the same config "run_id" as the one just written) beyond the
-    newest `keep`, and the leftovers of killed saves older than `step`; never the checkpoint just written, never a
-    newer save in progress, never another run's checkpoint."""
-    entries = _scan(ckpt_root)
-    run = _run_id(os.path.join(ckpt_root, f"step_{step:08d}"))
-    complete = [e for e in entries if e.complete and e.step != step and _run_id(e.path) == run]
+def _commit(ckpt_root: str, step: int, keep: int):
+    """Rank 0, once every rank has written its files: mark step_N.tmp complete, rename it step_N, then delete this
+    run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed saves older than `step`."""
+    def run_id(path: str):
+        try:
+            return _read_json(path, "config.json").get("run_id")
+        except (OSError, ValueError):
+            return None
+
+    final = os.path.join(ckpt_root, f"step_{step:08d}")
+    _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
+    if os.path.isdir(final):  # an earlier save of the same step
+        shutil.rmtree(final)
+    os.rename(final + ".tmp", final)
+    fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
+    os.fsync(fd)
+    os.close(fd)
+    entries, run = _scan(ckpt_root), run_id(final)
+    complete = [e for e in entries if e.complete and e.step != step and run_id(e.path) == run]
     doomed = complete[:max(0, len(complete) - (keep - 1))] if keep > 0 else []
-    doomed += [e for e in entries if e.tmp and e.step < step]
-    for e in doomed:
+    for e in doomed + [e for e in entries if e.tmp and e.step < step]:  # never a newer save in progress
         shutil.rmtree(e.path, ignore_errors=True)
 
 
-def _architecture_diff(saved: dict, current: dict) -> list[str]:
-    names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in _NOT_ARCHITECTURE]
-    return [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
-            for n in names if saved.get(n) != current.get(n)]
+_pending: list[Callable[[], None]] = []
+
+
+def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
+         async_save: bool = False) -> Callable[[], None]:
+    """Write checkpoint `ckpt_root/step_{step:08d}`, on every rank, and keep the newest `keep` (<= 0: all) of this run.
+    state: "model", "optim" (or None), "train" (plain values and tensors, the same on all ranks), "rng" (optional).
+    config: the training config, "model" taken from the model when absent. async_save: return once the tensors are
+    on the CPU. Returns wait(), which every rank calls before the next save and at exit; wait.done() says whether
+    this rank's write has finished. A failed write (a full disk) raises SaveFailed, here or from wait()."""
+    while _pending:  # a forgotten wait() of the previous async save
+        _pending[0]()
+    rank, world = _rank_world()
+    # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
+    texts = {"config.json": json.dumps(_resolved_config(config, state["model"]), indent=2, default=_config_json),
+             f"rng_{rank:05d}.json": json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))}
+    tensors, optim_rest = _state_dicts(state["model"], state.get("optim"))
+    train = _encode(state.get("train") or {}, "train")
+    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train,
+                                      "optim": _encode(optim_rest, "optimizer state")}, indent=1)
+    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
+
+    def fresh_tmp():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+        os.makedirs(tmp)
+
+    def write_json():
+        for name, text in texts.items():
+            if rank == 0 or name.startswith("rng_"):
+                _write(os.path.join(tmp, name), text)
+
+    with _failing_cleanly(ckpt_root, step, rank):
+        _together(world, fresh_tmp if rank == 0 else None)
+        _together(world, write_json)  # before DCP's collectives
+        if async_save:
+            group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
+            future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+        else:
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            future = Future()
+            future.set_result(None)
+
+    def wait():
+        if wait in _pending:
+            _pending.remove(wait)
+            with _failing_cleanly(ckpt_root, step, rank):
+                future.result()
+                if world > 1:
+                    dist.barrier()  # every rank has written all of its files
+                # No rank moves on before the checkpoint is complete for all.
+                _together(world, (lambda: _commit(ckpt_root, step, keep)) if rank == 0 else None)
+
+    wait.done = future.done
+    _pending.append(wait)
+    if not async_save:
+        wait()
+    return wait
+
+
+# Fields that do not change the weights' shapes or the function they compute: a run may change them on resume.
+_NOT_ARCHITECTURE = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
+
+
+def _check_config(path: str, saved_config: dict, config, model):
+    """Refuse a checkpoint saved with another model architecture or tokenizer than `config` names."""
+    resolved = _resolved_config(config, model)
+    current = asdict(config) if isinstance(config, ModelConfig) else resolved.get("model")
+    saved = saved_config.get("model")
+    if current is not None and isinstance(saved, dict):
+        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in _NOT_ARCHITECTURE]
+        diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
+                for n in names if saved.get(n) != current.get(n)]
+        if diff:
+            raise ValueError(f"checkpoint {path} was saved with a different model architecture "
+                             f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
+    ours, theirs = (c.get("tokenizer", {}).get("name") for c in (resolved, saved_config))
+    if None not in (ours, theirs) and ours != theirs:
+        raise ValueError(f"checkpoint {path} was trained on {theirs} tokens but this run's data holds {ours} "
+                         f"tokens; resume on data prepared with {theirs}, or start a new run.")
 
 
 def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
     """Load checkpoint `path` (or the newest complete one under a root) into state["model"] and state["optim"] in
-    place, whatever their current layout; restore this rank's RNG states; return the saved "train" dict (tensors
-    on CPU). Every rank calls it.
-
-    config: when given (the training config dict with "model", or a ModelConfig), a checkpoint saved with another
-    model architecture is refused with the list of differing fields.
-    RNG: rank r restores the states rank r % saved_world_size saved, so the same world size resumes every stream
-    exactly and a single process resumes rank 0's."""
+    place, whatever their layout; restore this rank's RNG states; return the saved "train" dict. Every rank calls it.
+    config (the training config, or a ModelConfig): refuse a checkpoint of another architecture, naming the fields.
+    Rank r restores saved rank r % saved_world_size's RNG states: the same world size resumes every stream."""
     path = _resolve(path)
     verify(path)
     rank, world = _rank_world()
-    saved_config = _read_json(path, "config.json")
     saved_state = _read_json(path, "state.json")
     model, optim = state["model"], state.get("optim")
     if config is not None:
-        current = asdict(config) if isinstance(config, ModelConfig) else _resolved_config(config, model).get("model")
-        if current is not None and isinstance(saved_config.get("model"), dict):
-            diff = _architecture_diff(saved_config["model"], current)
-            if diff:
-                raise ValueError(f"checkpoint {path} was saved with a different model architecture "
-                                 f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
-        ours, theirs = (c.get("tokenizer", {}).get("name") for c in (_resolved_config(config, model), saved_config))
-        if None not in (ours, theirs) and ours != theirs:
-            raise ValueError(f"checkpoint {path} was trained on {theirs} tokens but this run's data holds {ours} "
-                             f"tokens; resume on data prepared with {theirs}, or start a new run.")
-
+        _check_config(path, _read_json(path, "config.json"), config, model)
     tensors, optim_rest = _state_dicts(model, optim)
     saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
@@ -602,12 +511,11 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     if wrong:
         raise ValueError(f"checkpoint {path} holds tensors of other shapes ({'; '.join(wrong[:3])}); "
                          f"resume with the checkpoint's model config.")
-
     try:
-        dcp.load(tensors, checkpoint_id=path, no_dist=world == 1 and not dist.is_initialized())
+        dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
     except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
-                                f"({_first_failure(e)}).") from None
+                                f"({_first_failure(e)[1]}).") from None
     if optim is None:
         set_model_state_dict(model, tensors["model"], options=_OPTIONS)
     else:
@@ -616,13 +524,11 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
         with _step_hooks_silenced(optim):
             set_state_dict(model, optim, model_state_dict=tensors["model"], optim_state_dict=optim_sd,
                            options=_OPTIONS)
-
     saved_world = saved_state["world_size"]
     if saved_world != world and rank == 0:
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
                       f"rank r resumes the RNG streams of saved rank r % {saved_world}.", stacklevel=2)
-    with open(os.path.join(path, f"rng_{rank % saved_world:05d}.json")) as f:
-        set_rng_state(_decode(json.load(f)))
+    set_rng_state(_decode(_read_json(path, f"rng_{rank % saved_world:05d}.json")))
     return _decode(saved_state["train"])
 
 
@@ -630,20 +536,14 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 # Hugging Face folders: export a checkpoint, import a model to start from
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
-    """Write a transformers `afmoe` folder (config.json, model.safetensors or numbered shards plus
-    model.safetensors.index.json, tokenizer.json and tokenizer_config.json) from checkpoint `ckpt_path` (or the
-    newest complete one under a root), in one process whatever world size wrote it. Holds one output shard in memory
-    at a time. The tokenizer is the one the training data was prepared with, unless `tokenizer` (a tiktoken name or
-    a Hugging Face tokenizer folder) is given. Returns the checkpoint used."""
+    """Write a transformers `afmoe` folder (config.json, model.safetensors or shards and an index, the tokenizer)
+    from checkpoint `ckpt_path` (or the newest under a root), in one process, one shard in memory at a time.
+    `tokenizer` (tiktoken name or Hugging Face tokenizer folder) defaults to the one the training data was prepared
+    with. Returns the checkpoint used."""
     from safetensors.torch import save_file
 
     path = _resolve(ckpt_path)
-    saved_config = _read_json(path, "config.json")
-    saved = saved_config.get("model")
-    if not isinstance(saved, dict):
-        raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json, so it cannot be "
-                         f"exported.")
-    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in config_fields()})
+    saved_config, cfg = _saved_model_config(path)
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     if tokenizer is None:
         warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
@@ -652,32 +552,28 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         raise ValueError(f"tokenizer {tokenizer} has {n_vocab} token ids but the model in {path} only "
                          f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
     saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    names = _our_names(cfg)
-    missing = [n for n in names if f"model.{n}" not in saved_meta]
+    meta = {n.removeprefix("model."): m for n, m in saved_meta.items() if n.startswith("model.")}
+    names = list(meta_model(cfg).state_dict())
+    missing = [n for n in names if n not in meta]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
                          f"e.g. {', '.join(missing[:3])}.")
-
     shards, size = [[]], 0
     for n in names:
-        meta = saved_meta[f"model.{n}"]
-        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        nbytes = meta[n].size.numel() * meta[n].properties.dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
+            shards, size = shards + [[]], 0
         shards[-1].append(n)
         size += nbytes
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):  # an earlier export's weights would be mixed in by from_pretrained
         if name.startswith("model") and ".safetensors" in name:
             os.remove(os.path.join(out_dir, name))
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
-        sd = {f"model.{n}": torch.empty(saved_meta[f"model.{n}"].size, dtype=saved_meta[f"model.{n}"].properties.dtype)
-              for n in shard}
+        sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
         hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
         save_file(hf_sd, os.path.join(out_dir, file), metadata={"format": "pt"})
@@ -686,65 +582,40 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
-    dtype = saved_meta["model.embed.weight"].properties.dtype
-    hf_config = {**cfg.to_hf(), "dtype": str(dtype).removeprefix("torch.")}
-    _write(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
+    hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch.")}
+    _write(os.path.join(out_dir, "config.json"), json.dumps(hf, indent=2))
     if tokenizer is not None:
         data.save_hf_tokenizer(tokenizer, out_dir)
     return path
 
 
-def _hf_folder(hf_dir: str) -> tuple[dict, list[str]]:
-    """The config.json and the weight files of a Hugging Face `afmoe` folder."""
-    config_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(config_path):
+def hf_config(hf_dir: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `afmoe` folder, once its config.json and weight files are found there."""
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model folder.")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = _read_json(hf_dir, "config.json")
     if hf.get("model_type") != "afmoe":
         raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
                          f"models can be loaded.")
-    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
+        files = set(_read_json(hf_dir, "model.safetensors.index.json")["weight_map"].values())
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json.")
-    absent = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+    absent = sorted(f for f in files if not os.path.isfile(os.path.join(hf_dir, f)))
     if absent:
         raise FileNotFoundError(f"{hf_dir} lacks {len(absent)} weight file(s) its index names, "
                                 f"e.g. {absent[0]}; copy the folder again.")
-    return hf, [os.path.join(hf_dir, f) for f in files]
-
-
-def hf_config(hf_dir: str) -> ModelConfig:
-    """The ModelConfig of a Hugging Face `afmoe` folder."""
-    return ModelConfig.from_hf(_hf_folder(hf_dir)[0])
-
-
-def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
-    """Read a Hugging Face `afmoe` folder whole: our ModelConfig and a state dict for
-    Transformer(cfg).load_state_dict. (To fill a sharded model, load_hf_into reads only each rank's slices.)"""
-    from safetensors.torch import load_file
-
-    hf, files = _hf_folder(hf_dir)
-    hf_sd = {}
-    for file in files:
-        hf_sd.update(load_file(file))
-    cfg = ModelConfig.from_hf(hf)
-    return cfg, from_hf_state_dict(hf_sd, cfg)
+    return ModelConfig.from_hf(hf)
 
 
 def load_hf_into(model, hf_dir: str):
-    """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder, in place. Every rank
-    calls it and reads from the safetensors files only the rows of the shards it holds (torch.distributed.checkpoint
-    with its Hugging Face reader), so no rank ever holds the whole model. Weights stored in another dtype (a bf16
-    export) are converted to the model's."""
+    """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder in place. Every rank calls
+    it and reads only its shards' rows (DCP's Hugging Face reader); weights in another dtype become the model's."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    _hf_folder(hf_dir)  # config.json and the weight files the index names are there
+    hf_config(hf_dir)  # config.json and the weight files the index names are there
     reader = HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
@@ -755,9 +626,16 @@ def load_hf_into(model, hf_dir: str):
     if wrong:
         raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
                          f"of this model's config, or drop the flags that change it.")
-    _, world = _rank_world()
-    dcp.load(wanted, storage_reader=reader, no_dist=world == 1 and not dist.is_initialized())
+    dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
     set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
+
+
+def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
+    """Read a Hugging Face `afmoe` folder whole: our ModelConfig and a state dict for Transformer(cfg), in fp32."""
+    cfg = hf_config(hf_dir)
+    model = meta_model(cfg).to_empty(device="cpu")
+    load_hf_into(model, hf_dir)
+    return cfg, model.state_dict()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -767,59 +645,42 @@ def _ls(ckpt_root: str):
     if not os.path.isdir(ckpt_root):
         raise FileNotFoundError(f"checkpoint root {ckpt_root} does not exist.")
     entries = _scan(ckpt_root)
-    if not entries:
-        print(f"no checkpoints under {ckpt_root}")
-        return
-    print(f"{'step':>10}  {'status':<10}  {'size':>10}  path")
+    print(f"{'step':>10}  {'status':<10}  {'size':>10}  path" if entries else f"no checkpoints under {ckpt_root}")
     for e in entries:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(e.path) for f in fs)
         status = "complete" if e.complete else "partial" if e.tmp else "incomplete"
         print(f"{e.step:>10}  {status:<10}  {size / 2**20:>7.1f} MB  {e.path}")
-    print("partial: a save in progress or killed; incomplete: no COMPLETE marker. Only complete ones are loaded.")
+    if entries:
+        print("partial: a save in progress or killed; incomplete: no COMPLETE marker. Only complete ones are loaded.")
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer or None, why there is none) from a Hugging Face `afmoe` folder, a checkpoint
-    directory or a checkpoint root. The tokenizer has encode, decode and n_vocab: a folder's tokenizer.json through
-    transformers' AutoTokenizer, a checkpoint's tiktoken encoding (its train.tokenizer)."""
-    import data
-    from model import Transformer
-
-    hf_dir = os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json")
-    if hf_dir:
-        cfg = hf_config(path)
-    else:
-        path = _resolve(path)
-        saved = _read_json(path, "config.json")
-        if not isinstance(saved.get("model"), dict):
-            raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
-        cfg = ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    if hf_dir:
+    """(model in eval mode, tokenizer or None, why there is none) from a Hugging Face `afmoe` folder (its
+    tokenizer.json through transformers) or a checkpoint (its data's tiktoken encoding), or the newest under a root.
+    The tokenizer has encode, decode and n_vocab."""
+    if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
+        model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
-    else:
-        with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
-            warnings.simplefilter("ignore")
-            load(path, {"model": model})
-    model.eval()
-
-    tokenizer, why_none = None, f"{path} names no tokenizer"
-    if hf_dir and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return model.eval(), None, f"{path} names no tokenizer"
         try:
             from transformers import AutoTokenizer
-            hf_tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
-            why_none = f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
-        else:
-            tokenizer = argparse.Namespace(encode=hf_tok.encode, decode=hf_tok.decode, n_vocab=len(hf_tok))
-    elif not hf_dir and saved.get("train", {}).get("tokenizer"):
-        try:
-            tokenizer = data.get_encoding(saved["train"]["tokenizer"])
-        except data.DataError as e:
-            why_none = str(e)
-    return model, tokenizer, why_none
+            return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
+        return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok)), None
+    path = _resolve(path)
+    saved, cfg = _saved_model_config(path)
+    model = meta_model(cfg).to_empty(device=device)
+    with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
+        warnings.simplefilter("ignore")
+        load(path, {"model": model})
+    if not saved.get("train", {}).get("tokenizer"):
+        return model.eval(), None, f"{path} names no tokenizer"
+    try:
+        return model.eval(), data.get_encoding(saved["train"]["tokenizer"]), None
+    except data.DataError as e:
+        return model.eval(), None, str(e)
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -833,13 +694,6 @@ def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
             except KeyError:
                 ok[i] = False
     return torch.tensor(ok)
-
-
-def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
 
 
 def _sample(args):
@@ -857,23 +711,19 @@ def _sample(args):
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
         p.data = p.data.to(getattr(torch, args.dtype))
-    if args.prompt_ids is not None:
-        ids = args.prompt_ids
-    elif tokenizer is None:
+    if args.prompt_ids is None and tokenizer is None:
         raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
                          f"--prompt_ids=1,2,3.")
-    else:
-        ids = tokenizer.encode(args.prompt)
+    ids = tokenizer.encode(args.prompt) if args.prompt_ids is None else args.prompt_ids
     V = model.cfg.vocab_size
     if not ids or not all(0 <= t < V for t in ids):
         raise ValueError(f"the prompt must be 1 or more token ids in [0, {V}), not {ids}; give --prompt or "
                          f"--prompt_ids.")
     torch.manual_seed(args.seed)
-    prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
     allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
     t0 = time.time()
-    rows = model.generate(prompt_BT, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
-                          allowed_V).tolist()  # on the host: the time includes the device's work
+    rows = model.generate(torch.tensor([ids] * args.num_samples, device=device), args.max_new_tokens,
+                          args.temperature, args.top_k or None, args.top_p, allowed_V).tolist()  # waits for the device
     seconds = time.time() - t0
     for i, row in enumerate(rows):
         print(f"--- sample {i + 1}/{args.num_samples}")
@@ -882,12 +732,31 @@ def _sample(args):
           f"({args.num_samples * args.max_new_tokens / seconds:.1f} tokens/s on {device.type})", file=sys.stderr)
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
+
+
+_SAMPLE_FLAGS = [  # flag, type, default, help
+    ("--prompt", str, "", "text to continue"),
+    ("--prompt_ids", _token_ids, None, "the prompt as token ids (1,2,3), for a model without a tokenizer; overrides "
+                                       "--prompt"),
+    ("--max_new_tokens", int, 64, "tokens generated after the prompt"),
+    ("--num_samples", int, 1, "continuations of the prompt, generated as one batch"),
+    ("--temperature", float, 0.8, "softmax temperature; 0 is greedy"),
+    ("--top_k", int, 50, "sample among the k most likely tokens (0: all)"),
+    ("--top_p", float, 1.0, "sample among the most likely tokens whose probability reaches p (1: all)"),
+    ("--seed", int, 0, "the same seed gives the same samples")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export,sample}")
-    p = sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size")
-    p.add_argument("ckpt_root", metavar="CKPT_ROOT")
+    sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size").add_argument(
+        "ckpt_root", metavar="CKPT_ROOT")
     p = sub.add_parser("export", help="write a Hugging Face afmoe folder from a checkpoint")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint directory, or a root (its newest complete one)")
     p.add_argument("out_dir", metavar="OUT_DIR")
@@ -897,16 +766,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root (its newest complete one) or a "
                                                "Hugging Face afmoe folder")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--prompt_ids", type=_token_ids, help="the prompt as token ids (1,2,3), for a model without "
-                                                         "a tokenizer; overrides --prompt")
-    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated after the prompt")
-    p.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt, generated as one batch")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy")
-    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
-                                                            "probability reaches p (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    for flag, kind, default, text in _SAMPLE_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
