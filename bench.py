@@ -61,17 +61,14 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
 
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_ms(fn, device: torch.device, read=None) -> float:
     read = read or clock
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = read()
     fn()
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (read() - t0) * 1e3
 
 
@@ -296,22 +293,6 @@ def print_components(table: dict, wall_ms: float, say, what: str):
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py [train flags]: the training step
 
-def breakdown(step, model, tc: train.TrainConfig, device: torch.device, iters: int, say) -> dict:
-    """The median of up to five profiled steps: the time of each of train_step's phases and of each component."""
-    runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, iters))]
-    table, kernels, wall, phases = median_profile(runs)
-    total = sum(phases.values())
-    say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
-        f"train_step's ranges, backward ops wherever autograd runs them; FSDP all-gathers and reduce-scatters run "
-        f"inside forward and backward; forward includes the output head's gradients, which the fused loss "
-        f"computes with the loss):")
-    for label, v in phases.items():
-        say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
-    print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
-                     + (", the compiled blocks not split" if tc.compile else ""))
-    return {"phases_ms": phases, "components_ms": table, "kernels": kernels, "step_kernels": merged(kernels)}
-
-
 def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
@@ -358,8 +339,18 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; {tflops:.3f} TFLOP/s per "
         f"device; MFU {mfu}")
     say(f"peak memory: {result['peak_mem_gib']:.2f} GiB per device ({result['peak_mem_kind']}, max over ranks)")
-    if args.breakdown:
-        result |= breakdown(step, model, tc, device, args.iters, say)
+    if args.breakdown:  # the median of up to five profiled steps
+        runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
+        table, kernels, wall, phases = median_profile(runs)
+        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
+            f"train_step's ranges, backward ops wherever autograd runs them; FSDP all-gathers and reduce-scatters run "
+            f"inside forward and backward; forward includes the output head's gradients, which the fused loss "
+            f"computes with the loss):")
+        for label, v in phases.items():
+            say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
+        print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
+                         + (", the compiled blocks not split" if tc.compile else ""))
+        result.update(phases_ms=phases, components_ms=table, kernels=kernels, step_kernels=merged(kernels))
     result.update(config=config, environment=environment(device))
     if args.save and rank == 0:
         with open(args.save, "w") as f:
@@ -724,7 +715,6 @@ def model_facts(cfg) -> dict:
     norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
     blocks = list(model.layers.values())
-
     shapes = lambda params: tuple(tuple(p.shape) for p in params)  # noqa: E731
     _FACTS[repr(cfg)] = {
         "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
@@ -774,22 +764,6 @@ def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c
     return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
 
 
-def step_traffic(made: dict, root: tuple, blocks: list, accum: int, ac: str, grad_sync: str, keep: bool) -> dict:
-    """{kind: [bytes a GPU sends in an optimizer step, of which over the network]} from `made` (by unit sizes)."""
-    gathers = 1 if keep else accum
-    times = {"gather": gathers + (0 if keep else accum), "reduce": accum if grad_sync == "every" else 1,
-             "all_reduce": 1, "a2a_fwd": accum * (2 if ac == "full" else 1),  # full AC repeats them in backward
-             "a2a_bwd": accum}
-    traffic = defaultdict(lambda: [0.0, 0.0])
-    for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
-        for part, n in times.items():
-            n = gathers if is_root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
-            for kind, nbytes, group in made[key][part]:
-                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
-                    traffic[kind][side] += uses * n * b
-    return traffic
-
-
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
          compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
          links: Links | None = None, detail: bool = True) -> dict:
@@ -823,7 +797,18 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
         {**made[key], "flops": flops + attn_flops * (seq if cfg.is_global(i) else min(cfg.window, seq))}
         for i, (key, flops) in enumerate(zip(blocks, facts["block_flops"]))]
     model_flops = facts["flops_per_token"](seq)
-    traffic = step_traffic(made, root, blocks, accum, ac, grad_sync, keep_gathered)
+    # How often each part runs in one optimizer step; each kind of unit counted once, times its number.
+    gathers = 1 if keep_gathered else accum
+    times = {"gather": gathers + (0 if keep_gathered else accum), "reduce": accum if grad_sync == "every" else 1,
+             "all_reduce": 1, "a2a_fwd": accum * (2 if ac == "full" else 1),  # full AC repeats them in backward
+             "a2a_bwd": accum}
+    traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
+    for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
+        for part, n in times.items():
+            n = gathers if is_root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
+            for kind, nbytes, group in made[key][part]:
+                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
+                    traffic[kind][side] += uses * n * b
     count = facts["params"]
     return {"world": layout.world, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep,
             "accumulation_steps": accum, "micro_batch": micro_batch, "seq": seq, "ac": ac,
@@ -993,7 +978,8 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
         print(f"  {k:48s} {v:9.2f} GiB")
     print(f"  {'total':48s} {r['memory_gib_per_gpu']:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: "
           f"{FIT_FRACTION * mem_gib:.0f})")
-    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in r["activations_gib_by_ac"].items()))
+    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
+                                                       for k, v in r["activations_gib_by_ac"].items()))
     print(f"FLOPs per token at seq {r['seq']}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
           f"attention)")
     spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
@@ -1012,25 +998,6 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
           f"{100 * t['mfu']:.1f}%")
     print(f"time: {r['tokens']:.3g} tokens on {r['gpus']} x {r['gpu']}: {t['days']:.1f} days "
           f"({r['tokens'] / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
-
-
-def plan_search(cfg, r: dict, links: Links, t: dict) -> dict:
-    """The five fastest layouts that fit, printed against this one's projection `t`."""
-    best, tried, fit = search(cfg, r["gpus"], r["seq"], r["global_batch"], r["gpu"], links, r["compute_tflops"] * 1e12)
-    print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {r['global_batch']} x {r['seq']} kept):"
-          + ("" if best else " none; use more GPUs or a smaller model"))
-    for i, (q, s) in enumerate(best):
-        lose = "fastest" if i == 0 else f"+{100 * (s['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
-                                        f"{why_slower(s, best[0][1])}"
-        print(f"  {i + 1}. {layout_flags(q):76s} {s['step_s']:#7.3g} s  MFU {100 * s['mfu']:4.1f}%  "
-              f"{s['days']:5.1f} days  {q['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
-    if best:
-        print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
-        print(f"  the fastest with train.py ({r['gpus']} ranks): train.py --preset={r['preset']} --seq_len={r['seq']} "
-              f"--global_batch={r['global_batch']} {layout_flags(best[0][0])}")
-    return {"tried": tried, "fit": fit, "best": [
-        {"flags": layout_flags(q), "step_seconds": s["step_s"], "mfu": s["mfu"], "days": s["days"],
-         "memory_gib_per_gpu": q["memory_total_bytes"] / 2**30, "seconds_per_step": s["seconds"]} for q, s in best]}
 
 
 def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
@@ -1067,7 +1034,22 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
                   fits=total_gib <= budget)
     print_plan(result, p, t, links, layout.describe(cfg.n_experts), rate_from)
     if args.search:
-        result["search"] = plan_search(cfg, result, links, t)
+        best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12)
+        print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
+              + ("" if best else " none; use more GPUs or a smaller model"))
+        for i, (q, s) in enumerate(best):
+            lose = "fastest" if i == 0 else f"+{100 * (s['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
+                                            f"{why_slower(s, best[0][1])}"
+            print(f"  {i + 1}. {layout_flags(q):76s} {s['step_s']:#7.3g} s  MFU {100 * s['mfu']:4.1f}%  "
+                  f"{s['days']:5.1f} days  {q['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
+        if best:
+            print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
+            print(f"  the fastest with train.py ({args.gpus} ranks): train.py --preset={tc.preset} --seq_len={seq} "
+                  f"--global_batch={global_batch} {layout_flags(best[0][0])}")
+        result["search"] = {"tried": tried, "fit": fit, "best": [
+            {"flags": layout_flags(q), "step_seconds": s["step_s"], "mfu": s["mfu"], "days": s["days"],
+             "memory_gib_per_gpu": q["memory_total_bytes"] / 2**30, "seconds_per_step": s["seconds"]}
+            for q, s in best]}
     if not result["fits"]:
         hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
                 "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
@@ -1218,49 +1200,6 @@ def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
     return parse
 
 
-def _switch(parser, flag: str, help: str):
-    """A boolean flag, on by default: --flag, --flag=false."""
-    parser.add_argument(flag, type=train._parse_bool, nargs="?", const=True, default=True, help=help)
-
-
-def _timing_flags(parser, warmup: int, iters: int):
-    add = parser.add_argument
-    add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
-    add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
-    add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
-        "steadier ratios on a machine others are using")
-    add("--clock", choices=CLOCKS, default="wall",
-        help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
-
-
-def _plan_flags(parser):
-    add = parser.add_argument
-    add("--gpus", type=_bounded(int, 1), default=2048, help="world size")
-    add("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
-    add("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
-    add("--seq", "--seq_len", type=_bounded(int, 0), default=0, help="sequence length (0: the preset's)")
-    add("--global_batch", type=_bounded(int, 0), default=0, help="sequences per step (0: one per GPU)")
-    add("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
-    add("--gpu", choices=GPUS, default="b300",
-        help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
-    add("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
-    add("--grad_sync", choices=("last", "every"), default="every",
-        help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) | last (unsharded "
-             "gradients held between micro-batches; not searched: train.py cannot run it)")
-    add("--tokens", type=_bounded(float, 0, low_open=True), default=17e12, help="training token budget")
-    add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
-        help="the GPU's compute rate while it computes, as a fraction of its peak (communication is added by the "
-             "time model)")
-    add("--tflops", default="", help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on the "
-        "GPU (its tflops_per_device); overrides --mfu")
-    add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
-    add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-    add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: the "
-        "GPU kind's default, h100/h200/b200 50, b300 100)")
-    add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
-    _switch(parser, "--search", "also list the five fastest layouts that fit (--search=false: skip)")
-
-
 def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser of a command's own flags, and the train.py flags it defaults to."""
     description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
@@ -1273,13 +1212,43 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
                      epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides such "
                             "as --dim=512, and the layout, batch and precision flags.")
     add = parser.add_argument
+    switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
     if command == "plot":
         add("out_dir", help="a train.py --out_dir holding metrics.jsonl")
         return parser, []
     if command == "plan":
-        _plan_flags(parser)
+        add("--gpus", type=_bounded(int, 1), default=2048, help="world size")
+        add("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
+        add("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
+        add("--seq", "--seq_len", type=_bounded(int, 0), default=0, help="sequence length (0: the preset's)")
+        add("--global_batch", type=_bounded(int, 0), default=0, help="sequences per step (0: one per GPU)")
+        add("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
+        add("--gpu", choices=GPUS, default="b300",
+            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
+        add("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
+        add("--grad_sync", choices=("last", "every"), default="every",
+            help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) | last (unsharded "
+                 "gradients held between micro-batches; not searched: train.py cannot run it)")
+        add("--tokens", type=_bounded(float, 0, low_open=True), default=17e12, help="training token budget")
+        add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
+            help="the GPU's compute rate while it computes, as a fraction of its peak (communication is added by the "
+                 "time model)")
+        add("--tflops", default="", help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on "
+            "the GPU (its tflops_per_device); overrides --mfu")
+        add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
+        add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
+        add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: "
+            "the GPU kind's default, h100/h200/b200 50, b300 100)")
+        add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
+        switch("--search", help="also list the five fastest layouts that fit (--search=false: skip)")
     else:
-        _timing_flags(parser, *{"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command])
+        warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
+        add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
+        add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
+        add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
+            "steadier ratios on a machine others are using")
+        add("--clock", choices=CLOCKS, default="wall",
+            help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "step":
         add("--save", default="", metavar="PATH",
@@ -1290,9 +1259,9 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
             help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
     if command == "moe":
         add("--tokens", type=_bounded(int, 1), default=2048, help="tokens through the layer (seq_len per row)")
-        _switch(parser, "--loop", "also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
+        switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
     if command in ("step", "moe"):
-        _switch(parser, "--breakdown", "also time the phases and profile the components (--breakdown=false: skip)")
+        switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
     return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"], "plan": ["--preset=large"]}.get(command, [])
 
 
