@@ -90,13 +90,6 @@ def spread(ms: list[float]) -> dict:
             "iters": len(ms)}
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak since the last reset; CPU: the process's peak resident set (Linux reports KiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
@@ -184,10 +177,17 @@ def model_targets(model, blocks: bool = True) -> list:
     return targets
 
 
-def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
-    """Per step: {label: {fwd, bwd, total} ms} from each op's self time charged to the innermost bench:: range (or
-    train_step's grad clip, expert-bias ranges) around it, a backward op to its forward op's (same sequence number);
-    {label: {op or kernel: [calls, ms]}} (a component's fingerprint); {train_step phase: ms}."""
+def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
+    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms}, each op's
+    self time charged to the innermost bench:: range (or train_step's grad clip, expert-bias ranges) around it, a
+    backward op to its forward op's (same sequence number); {label: {op or kernel: [calls, ms]}} (a component's
+    fingerprint); the wall ms; {train_step phase: ms}."""
+    on_device = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if on_device else []
+    with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
+        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
+
     def self_us(e):
         return e.self_device_time_total if on_device else e.self_cpu_time_total
 
@@ -213,7 +213,7 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
         return "other" if e is None else e.name[len(PHASE):]
 
     resolved, forward_of = [], {}
-    for e in sorted(events, key=lambda e: e.time_range.start):
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         label, where = owner(e)
         if label is not None and e.sequence_nr >= 0:
             # Ops that make no autograd node record the next sequence number too; the last to record it made it.
@@ -237,7 +237,7 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
             ops[label][name][1] += us / 1e3 / steps
     for row in table.values():
         row["total"] += row["fwd"] + row["bwd"]
-    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, dict(phases)
+    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, wall, dict(phases)
 
 
 def merged(ops: dict, scale: float = 1.0) -> dict:
@@ -248,17 +248,6 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
             out[name][0] += calls * scale
             out[name][1] += ms * scale
     return {name: [round(calls, 3), ms] for name, (calls, ms) in out.items()}
-
-
-def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """fn run `steps` times under the profiler, `targets` wrapped: (components, ops, wall ms per step, phases)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
-        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
-    table, ops, phases = attribute(prof.events(), device.type == "cuda", steps)
-    return table, ops, wall, phases
 
 
 def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
@@ -333,7 +322,9 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     tflops = flops_per_token * tok_s / world / 1e12
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
                   mfu=tflops / peak if peak else None, peak_tflops=peak,
-                  peak_mem_gib=max_over_ranks(peak_memory_bytes(device)) / 2**30,
+                  # CUDA: the allocator's peak since the reset; CPU: the process's peak resident set (Linux: KiB)
+                  peak_mem_gib=max_over_ranks(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
+                                              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
                   peak_mem_kind="CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS")
     mfu = "n/a" if peak is None else f"{100 * result['mfu']:.1f}% of {peak:g} TFLOP/s"
     say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; {tflops:.3f} TFLOP/s per "
