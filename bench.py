@@ -1,11 +1,8 @@
 """
-Benchmarks and capacity planning: what a training step costs, where its time goes, and what a layout needs.
+Benchmarks and capacity planning: what a training step costs, where its time goes, and what a layout needs. It times
+train.py's own step (train.train_step, same flags) on synthetic tokens; training never imports it.
 
-bench.py times the exact code path of train.py (train.train_step on a model from parallel.build_model, with the same
-flags) on synthetic tokens. It is a tool: training never imports it.
-
-    python bench.py --preset=tiny                        # the train step: ms/step, tokens/s, TFLOP/s, MFU, memory,
-                                                         # forward/backward/optimizer split, time per component
+    python bench.py --preset=tiny                        # ms/step, tokens/s, TFLOP/s, MFU, memory, phases, components
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
     python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
     python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 if the step is slower
@@ -13,17 +10,13 @@ flags) on synthetic tokens. It is a tool: training never imports it.
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
     python bench.py plan --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq=8192 --global_batch=12288 \
-        --micro_batch=1 --gpu=b300 --ac=full --tokens=17e12 --mfu=0.4   # memory, traffic, step time, MFU, days and
-                                                         # the five fastest layouts that fit; no allocation
+        --micro_batch=1 --gpu=b300 --ac=full    # memory, traffic, step time, MFU, days; the fastest layouts that fit
     python bench.py plan --net_gbs=50 --tflops=h200.json # another network; compute rate from a saved --json result
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
-    python bench.py vs-hf --dim=512 --n_heads=8 --head_dim=64 --n_experts=128 --top_k=8 --expert_hidden=128 \
-        --vocab_size=4096                                # ... at a shape where the routed experts dominate
     python bench.py plot out                             # out/metrics.jsonl -> out/metrics.png (needs matplotlib)
 
-`--json` prints the report as one JSON object on the last line. On a shared machine timings are noisy: compare the
-ratios measured side by side in one run (moe_to_dense, speedup), not milliseconds from different runs, and add
-`--threads=1 --clock=cpu` (two OpenMP threads on two busy cores can run 100x slower than one).
+`--json` prints the report as one JSON object on the last line. On a shared machine compare ratios measured in one
+run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy cores can run 100x slower).
 """
 
 import argparse
@@ -56,64 +49,67 @@ COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiG
                     "fit, without allocating anything",
             "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
             "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
-TRAIN_FLAGS = (["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)]
-               + [f"--{n}" for n in train.MODEL_FIELDS])
+TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [
+    f"--{n}" for n in train.MODEL_FIELDS]
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Timing, memory and synthetic data
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# Wall time by default; `--clock=cpu` reads the process's CPU time instead, which a busy shared machine inflates far
-# less (use it with --threads=1: idle OpenMP threads spin, and that counts as CPU time too).
+# --clock=cpu: the process's CPU time, which a busy machine inflates far less (use --threads=1: idle threads spin).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
 
 
 def timed_ms(fn, device: torch.device, read=None) -> float:
     read = read or clock
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = read()
     fn()
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (read() - t0) * 1e3
 
 
+def alternate(fns: dict, device: torch.device, warmup: int, iters: int, flip: bool = False) -> dict:
+    """{name: [ms per timed step]}, the functions run in turn (drifting load hits all alike); `flip`: reversed on odd
+    iterations."""
+    times = defaultdict(list)
+    for i in range(warmup + iters):
+        for name, fn in list(fns.items())[::-1 if flip and i % 2 else 1]:
+            ms = timed_ms(fn, device)
+            if i >= warmup:
+                times[name].append(ms)
+    return times
+
+
 def spread(ms: list[float]) -> dict:
-    """Median and spread of per-step times."""
     q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
     return {"ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "ms_p25": q[0], "ms_p75": q[2],
             "iters": len(ms)}
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak since the last reset. CPU: the process's peak resident set (Linux reports KiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
 def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int,
                     docs_per_row: int = 4):
-    """This rank's rows of a random global batch, as train.py's loader returns them: (tokens, targets, doc ids), each
-    [B, T]; every row holds `docs_per_row` documents split at random positions."""
+    """This rank's rows of a random global batch as train.py's loader gives them: (tokens, targets, doc ids), each
+    [B, T], every row `docs_per_row` documents split at random positions."""
     g = torch.Generator().manual_seed(seed)
     tokens_BT = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=g)
     starts_BT = torch.zeros(global_batch, seq_len, dtype=torch.long)
     n_cuts = min(docs_per_row, seq_len) - 1
     if n_cuts > 0:
-        cuts = torch.rand(global_batch, seq_len - 1, generator=g).topk(n_cuts, dim=1).indices + 1
-        starts_BT.scatter_(1, cuts, 1)
+        starts_BT.scatter_(1, torch.rand(global_batch, seq_len - 1, generator=g).topk(n_cuts, dim=1).indices + 1, 1)
     rows = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
     return tokens_BT[rows, :-1], tokens_BT[rows, 1:], starts_BT.cumsum(1)[rows]
 
 
 def model_config(tc: train.TrainConfig, overrides: dict):
-    """train.model_config, with the preset's vocabulary instead of a tokenizer's (--vocab_size overrides it)."""
+    """train.model_config with the preset's vocabulary instead of a tokenizer's (--vocab_size overrides it)."""
     overrides = dict(overrides)
     return train.model_config(tc, overrides, overrides.pop("vocab_size", PRESETS[tc.preset].vocab_size))
 
@@ -129,30 +125,28 @@ def max_over_ranks(value: float) -> float:
 # ------------------------------------------------------------------------------------------------------------------
 # Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
-SCOPE = "bench::"
-PHASE = "train_step::"  # the ranges train.train_step marks its phases with
+SCOPE, PHASE = "bench::", "train_step::"  # our ranges; train.train_step's ranges around its phases
 COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
                 "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
 STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that are components of their own
 
 
-def _in_range(fn, name: str):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.profiler.record_function(name):
-            return fn(*args, **kwargs)
-    return run
-
-
 @contextlib.contextmanager
 def wrapped(targets):
-    """Wrap each (object, attribute, label) callable in a profiler range `bench::label` for the duration, as an
-    instance attribute (the way parallel.apply_ac wraps block.forward), and restore it afterwards."""
+    """Each (object, attribute, label) callable wrapped in a profiler range `bench::label` for the duration, as an
+    instance attribute (the way parallel.apply_ac wraps block.forward)."""
+    def in_range(fn, name: str):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return run
+
     originals = []
     try:
         for obj, attr, label in targets:
             originals.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
-            setattr(obj, attr, _in_range(originals[-1][3], SCOPE + label))
+            setattr(obj, attr, in_range(originals[-1][3], SCOPE + label))
         yield
     finally:
         for obj, attr, own, fn in reversed(originals):
@@ -170,8 +164,8 @@ def moe_targets(moe: MoE) -> list:
 
 
 def model_targets(model, blocks: bool = True) -> list:
-    # The head's matmul and the cross-entropy are one fused autograd function (model.head_loss): one component.
-    # Compiled blocks are fused graphs, not wrapped: their work lands in the model's own range.
+    # The head's matmul and cross-entropy are one fused autograd function (model.head_loss): one component. Compiled
+    # blocks are fused graphs, not wrapped: their work lands in the model's own range.
     targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
                (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
                (model, "head_loss", "output head, cross-entropy")]
@@ -183,51 +177,50 @@ def model_targets(model, blocks: bool = True) -> list:
     return targets
 
 
-def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
-    """Self time of every profiled op, attributed to the innermost bench:: range around it (or train_step's grad clip
-    and expert-bias update ranges); a backward op to the range of the forward op that created its autograd node
-    (matched by sequence number). Returns ({label: {fwd, bwd, total}} in ms per step, {label: {name: [calls, ms]}
-    per step}, {phase: ms per step}): the second is each component's fingerprint, the device kernels its ops launched
-    (on a GPU) or the CPU ops it ran, by name; the third the same time by train_step's phases, in step order (a
-    backward op in "backward" wherever autograd runs it, an op outside every phase in "other")."""
+def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
+    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms}, each op's
+    self time charged to the innermost bench:: range (or train_step's grad clip, expert-bias ranges) around it, a
+    backward op to its forward op's (same sequence number); {label: {op or kernel: [calls, ms]}} (a component's
+    fingerprint); the wall ms; {train_step phase: ms}."""
+    on_device = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if on_device else []
+    with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
+        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
+
     def self_us(e):
         return e.self_device_time_total if on_device else e.self_cpu_time_total
 
     def owner(e):
         while e is not None:
-            name = e.name
-            if name.startswith(SCOPE) or name.startswith(PHASE) and name[len(PHASE):] in STEP_LABELS:
-                label = name.split("::", 1)[1]
+            if e.name.startswith(SCOPE) or e.name.startswith(PHASE) and e.name[len(PHASE):] in STEP_LABELS:
+                label = e.name.split("::", 1)[1]
                 return label, "total" if label in STEP_LABELS else "fwd"
-            if name.startswith("Optimizer."):
+            if e.name.startswith("Optimizer."):
                 return "optimizer", "total"
-            if any(m in name for m in COMM_MARKERS):
+            if any(m in e.name for m in COMM_MARKERS):
                 return "communication", "total"
-            if name.startswith("autograd::engine::evaluate_function"):
+            if e.name.startswith("autograd::engine::evaluate_function"):
                 return None, e
             e = e.cpu_parent
         return "other", "total"
 
     def phase(e):
-        while e is not None:
-            if e.name.startswith(PHASE):
-                return e.name[len(PHASE):]
+        while e is not None and not e.name.startswith(PHASE):
             if e.name.startswith("autograd::engine::evaluate_function"):
                 return "backward"
             e = e.cpu_parent
-        return "other"
+        return "other" if e is None else e.name[len(PHASE):]
 
     resolved, forward_of = [], {}
-    for e in sorted(events, key=lambda e: e.time_range.start):
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         label, where = owner(e)
         if label is not None and e.sequence_nr >= 0:
-            # Ops that create no autograd node still record the next sequence number; the op that creates the
-            # node is the last one to record it, so later events overwrite earlier ones.
+            # Ops that make no autograd node record the next sequence number too; the last to record it made it.
             forward_of[(e.thread, e.sequence_nr)] = label
         resolved.append((e, label, where))
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
-    phases = defaultdict(float)
+    ops, phases = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0])), defaultdict(float)
     for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
@@ -244,12 +237,11 @@ def attribute(events, on_device: bool, steps: int) -> tuple[dict, dict, dict]:
             ops[label][name][1] += us / 1e3 / steps
     for row in table.values():
         row["total"] += row["fwd"] + row["bwd"]
-    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, dict(phases)
+    return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, wall, dict(phases)
 
 
 def merged(ops: dict, scale: float = 1.0) -> dict:
-    """{name: [calls, ms]} summed over the fingerprints {key: {name: [calls, ms]}} and scaled: over a step's
-    components, the step's fingerprint; over several profiled steps, with 1/steps, their mean."""
+    """{name: [calls, ms]} summed over fingerprints {key: {name: [calls, ms]}} and scaled (1/n: the mean of n)."""
     out = defaultdict(lambda: [0.0, 0.0])
     for kernels in ops.values():
         for name, (calls, ms) in kernels.items():
@@ -258,32 +250,17 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
     return {name: [round(calls, 3), ms] for name, (calls, ms) in out.items()}
 
 
-def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """Run fn `steps` times under the profiler with `targets` wrapped; returns (components, ops, wall ms per step,
-    phases)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
-        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
-    table, ops, phases = attribute(prof.events(), device.type == "cuda", steps)
-    return table, ops, wall, phases
-
-
 def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
-    """Several profile() results as one: each component's median times, and the median and quartiles of its share of
-    the profiled step (profiled times are wall times, which a busy machine stretches in every component alike), each
-    kernel's mean calls and time, the median wall time, each phase's median time."""
+    """profile() results as one: each component's median times and the quartiles of its share of the profiled step (a
+    busy machine stretches all alike), each kernel's mean, the median wall time, each phase's median."""
     zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
     table = {}
     for label in set().union(*(t for t, _, _, _ in runs)):
-        rows = [t.get(label, zero) for t, _, _, _ in runs]
         q = spread([t.get(label, zero)["total"] / wall for t, _, wall, _ in runs])
-        table[label] = {k: statistics.median(row[k] for row in rows) for k in zero}
+        table[label] = {k: statistics.median(t.get(label, zero)[k] for t, _, _, _ in runs) for k in zero}
         table[label] |= {"share": q["ms_median"], "share_p25": q["ms_p25"], "share_p75": q["ms_p75"]}
-    labels = set().union(*(ops for _, ops, _, _ in runs))
     kernels = {label: merged({i: ops.get(label, {}) for i, (_, ops, _, _) in enumerate(runs)}, 1 / len(runs))
-               for label in labels}
+               for label in set().union(*(ops for _, ops, _, _ in runs))}
     order = sorted(dict.fromkeys(label for *_, p in runs for label in p), key=lambda label: label == "other")
     phases = {label: statistics.median(p.get(label, 0.0) for *_, p in runs) for label in order}
     return table, kernels, statistics.median(wall for _, _, wall, _ in runs), phases
@@ -297,9 +274,9 @@ def print_components(table: dict, wall_ms: float, say, what: str):
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
         share = 100 * row["total"] / wall_ms
         say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} {share:5.1f}%")
-    accounted = sum(row["total"] for row in table.values())
-    say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {wall_ms - accounted:9.2f}"
-        f" {100 * (wall_ms - accounted) / wall_ms:5.1f}%   of {wall_ms:.1f} ms profiled")
+    gap = wall_ms - sum(row["total"] for row in table.values())
+    say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {gap:9.2f} {100 * gap / wall_ms:5.1f}%   of "
+        f"{wall_ms:.1f} ms profiled")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -309,7 +286,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
     run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
-    cfg, layout, autocast, dtype, say = run.cfg, run.layout, run.autocast, run.dtype, run.say
+    cfg, say = run.cfg, run.say
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
     if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
@@ -322,13 +299,13 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     say(f"bench: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
         f"{n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), {flops_per_token / 1e6:.1f} MFLOP/token; "
         f"seq {tc.seq_len}, global batch {tc.global_batch}, micro-batch {tc.micro_batch}, ac={tc.ac}, "
-        f"compile={tc.compile}, {dtype or torch.float32} on {world} x {device.type}")
-    say(layout.describe(cfg.n_experts))
+        f"compile={tc.compile}, {run.dtype or torch.float32} on {world} x {device.type}")
+    say(run.layout.describe(cfg.n_experts))
 
     def step():
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(state.step, tc)
-        train.train_step(model, optimizer, batch, tc, autocast, state)
+        train.train_step(model, optimizer, batch, tc, run.autocast, state)
         state.step += 1
 
     for _ in range(args.warmup):
@@ -339,32 +316,32 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     result = {"command": "step", "preset": tc.preset, "world": world, "device": device_name(device),
               "params": n["total"], "active_params": n["active"], "flops_per_token": flops_per_token,
               "tokens_per_step": tc.global_batch * tc.seq_len, **spread(ms)}
-    tok_s = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3)
-    peak = train.peak_tflops(device, tc.peak_tflops)
+    say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
+        f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
+    tok_s, peak = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3), train.peak_tflops(device, tc.peak_tflops)
     tflops = flops_per_token * tok_s / world / 1e12
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
                   mfu=tflops / peak if peak else None, peak_tflops=peak,
-                  peak_mem_gib=max_over_ranks(peak_memory_bytes(device)) / 2**30,
+                  # CUDA: the allocator's peak since the reset; CPU: the process's peak resident set (Linux: KiB)
+                  peak_mem_gib=max_over_ranks(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
+                                              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
                   peak_mem_kind="CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS")
-    say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
-        f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
     mfu = "n/a" if peak is None else f"{100 * result['mfu']:.1f}% of {peak:g} TFLOP/s"
-    say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; "
-        f"{tflops:.3f} TFLOP/s per device; MFU {mfu}")
+    say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; {tflops:.3f} TFLOP/s per "
+        f"device; MFU {mfu}")
     say(f"peak memory: {result['peak_mem_gib']:.2f} GiB per device ({result['peak_mem_kind']}, max over ranks)")
-    if args.breakdown:
+    if args.breakdown:  # the median of up to five profiled steps
         runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
-        table, kernels, wall, result["phases_ms"] = median_profile(runs)
-        total = sum(result["phases_ms"].values())
+        table, kernels, wall, phases = median_profile(runs)
         say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
             f"train_step's ranges, backward ops wherever autograd runs them; FSDP all-gathers and reduce-scatters run "
             f"inside forward and backward; forward includes the output head's gradients, which the fused loss "
             f"computes with the loss):")
-        for label, v in result["phases_ms"].items():
-            say(f"  {label:34s} {v:9.2f} ms {100 * v / total:5.1f}%")
-        result.update(components_ms=table, kernels=kernels, step_kernels=merged(kernels))
+        for label, v in phases.items():
+            say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
         print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
                          + (", the compiled blocks not split" if tc.compile else ""))
+        result.update(phases_ms=phases, components_ms=table, kernels=kernels, step_kernels=merged(kernels))
     result.update(config=config, environment=environment(device))
     if args.save and rank == 0:
         with open(args.save, "w") as f:
@@ -375,13 +352,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         for line in verdict.pop("lines"):
             say(line)
         result.update(compare=verdict, exit=verdict["exit"])
-    for key in ("kernels", "step_kernels"):  # kept in the --save file, too long for the --json line
-        result.pop(key, None)
-    return result
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return {k: v for k, v in result.items() if k not in ("kernels", "step_kernels")}  # too long for --json
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -401,12 +372,11 @@ def step_config(tc: train.TrainConfig, cfg, world: int, clock_name: str) -> dict
 
 def environment(device: torch.device) -> dict:
     """What decides which kernels a step runs: library versions, the device and the backend switches."""
-    b = torch.backends
+    b, kernel_libraries = torch.backends, ("triton", "pytorch-triton", "nvidia-cublas", "nvidia-cudnn", "nvidia-nccl")
     env = {"torch": torch.__version__, "device": device_name(device),
            "float32 matmul precision": torch.get_float32_matmul_precision()}
     env |= {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
-            if (d.metadata["Name"] or "").lower().startswith(("triton", "pytorch-triton", "nvidia-cublas",
-                                                             "nvidia-cudnn", "nvidia-nccl"))}
+            if (d.metadata["Name"] or "").lower().startswith(kernel_libraries)}
     if device.type == "cuda":
         env |= {"cuda": torch.version.cuda, "cudnn": b.cudnn.version(),
                 "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
@@ -446,8 +416,7 @@ def load_baseline(path: str, config: dict) -> dict:
 
 
 def kernel_changes(old: dict, new: dict, min_ms: float, top: int = 3) -> dict:
-    """The kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by at least min_ms; the
-    `top` largest of each."""
+    """The `top` largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
     def largest(kernels: dict, size) -> dict:
         return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:top])
 
@@ -467,12 +436,9 @@ def describe_kernels(changes: dict) -> str:
 
 
 def compare(old: dict, new: dict, tolerance: float) -> dict:
-    """The verdict on step result `new` against the baseline `old` of the same configuration. The noise band of a
-    median is half of each run's interquartile range, added: either median may sit that far from its truth. exit 1:
-    the step is slower by more than both the band and `tolerance`. A component's time is its share of the profiled
-    step times the timed step; it moved when that changed by more than its own band (from its shares' quartiles) and
-    by more than `tolerance` of the step. Its kernels that appeared, disappeared, or changed calls or by a tenth of
-    its change in profiled time are named."""
+    """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
+    noise band (half of each run's interquartile range, added) and `tolerance`. A component (its share of the profiled
+    step times the step) moved beyond its own band and `tolerance` is named with its kernels that changed."""
     check_config(old["config"], new["config"])
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
@@ -516,11 +482,12 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py moe: one MoE layer, three ways
 
-def init_(module: nn.Module, std: float):
+def init_(module: nn.Module, std: float) -> nn.Module:
     """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does."""
     with torch.no_grad():
         for p in module.parameters():
             nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+    return module
 
 
 def fwd_bwd(module, x_BTD, dy_BTD, autocast):
@@ -533,13 +500,38 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
     return y_BTD.detach(), x_BTD.grad
 
 
+def moe_report(result: dict, times: dict, flops: float, world: int, say):
+    """Adds and prints the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
+    active, dense = result["active_hidden"], result["dense_hidden"]
+    for name in times:
+        result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
+        result[f"{name}_ms_min"] = min(times[name])
+    dense_ms_per_active = result["dense_ms"] * active / dense  # the dense time at the MoE's FLOPs
+    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
+    for name in [name for name in times if name != "ep"]:
+        done = flops * (dense / active if name == "dense" else 1)  # the dense one does a bit more
+        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
+            f"{done / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
+    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
+    if "loop" in times:
+        result.update(loop_to_dense=result["loop_ms"] / dense_ms_per_active,
+                      grouped_vs_loop_max_diff=result.pop("grouped_vs_loop_max_diff"))
+        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
+            f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
+    if "ep" in times:
+        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
+        result["ep_vs_local_max_diff"] = max_over_ranks(result.pop("ep_vs_local_max_diff"))
+        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
+            f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
+            f"{result['ep_vs_local_max_diff']:.1e})")
+
+
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
     autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
-    N = args.tokens
-    T = min(tc.seq_len, N)
+    N, T = args.tokens, min(tc.seq_len, args.tokens)
     if N % T:
         raise ValueError(f"--tokens={N} is not a multiple of --seq_len={T}; the balance loss works per sequence.")
     D, E, K, I = cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_hidden
@@ -548,84 +540,53 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if device.type == "cpu":
         with torch.device("meta"):
             parallel.check_host_memory(MoE(cfg), copies=2, what="one MoE layer's weights and their gradients")
-    moe = MoE(cfg).to(device)
-    init_(moe, cfg.init_std)
+    moe = init_(MoE(cfg).to(device), cfg.init_std)
     # The dense SwiGLU does about the MoE layer's active matmul FLOPs: k routed experts, the shared expert and the
-    # router, whose D x E matmul costs what E/3 more hidden units of a SwiGLU do. Its width is rounded up to a
-    # multiple of 128, where bf16 GEMMs run at full speed (an odd width runs several times slower on a GPU), and
-    # the ratio below is per FLOP.
+    # router, whose D x E matmul costs what E/3 more hidden units do. Its width is rounded up to a multiple of 128,
+    # where bf16 GEMMs run at full speed, and the ratios are per FLOP.
     active_hidden = K * I + shared_hidden + E / 3
     dense_hidden = 128 * math.ceil(active_hidden / 128)
-    dense = FeedForward(D, dense_hidden).to(device)
-    init_(dense, cfg.init_std)
+    dense = init_(FeedForward(D, dense_hidden).to(device), cfg.init_std)
     torch.manual_seed(tc.seed + 1 + rank)  # each rank its own tokens (the expert-parallel path mixes them)
-    x_BTD = torch.randn(N // T, T, D, device=device)
-    dy_BTD = torch.randn(N // T, T, D, device=device)
-    flops = 6 * N * D * 3 * active_hidden  # fwd + bwd of the active matmuls
+    x_BTD, dy_BTD = torch.randn(N // T, T, D, device=device), torch.randn(N // T, T, D, device=device)
     say(f"moe: {tc.preset} shapes d_model {D}, {E} experts top-{K}, expert hidden {I}, shared hidden {shared_hidden}; "
         f"{N} tokens ({N // T} x {T}); {dtype or torch.float32} on {device_name(device)}; the same active FLOPs as a "
         f"dense SwiGLU of hidden {active_hidden:.0f} (router {100 * E / (3 * active_hidden):.0f}% of them); the dense "
         f"comparator is {dense_hidden} wide")
-
-    ep_moe = None
+    why_not = grouped_mm_supported(x_BTD.to(dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
+    if why_not:
+        raise ValueError(f"the grouped GEMM path cannot run here: {why_not}.")
+    layers = {"grouped": moe, "loop": moe, "dense": dense}
 
     def variant(impl):
         def run():
             if impl in ("grouped", "loop"):
                 moe.experts.impl = impl
-            module = {"dense": dense, "ep": ep_moe}.get(impl, moe)
-            module.zero_grad(set_to_none=True)
-            return fwd_bwd(module, x_BTD, dy_BTD, autocast)
+            layers[impl].zero_grad(set_to_none=True)
+            return fwd_bwd(layers[impl], x_BTD, dy_BTD, autocast)
         return run
 
-    why_not = grouped_mm_supported(x_BTD.to(dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
-    if why_not:
-        raise ValueError(f"the grouped GEMM path cannot run here: {why_not}.")
-    variants = ["grouped", "loop", "dense"] if args.loop else ["grouped", "dense"]
+    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
+              "active_hidden": active_hidden, "dense_hidden": dense_hidden}
     y_g, dx_g = variant("grouped")()
     if args.loop:  # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients
         grads_g = [p.grad.clone() for p in moe.experts.parameters()]
         (y_l, dx_l), grads_l = variant("loop")(), [p.grad.clone() for p in moe.experts.parameters()]
         diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
-        diff /= max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
-    if world > 1:  # expert parallel over all ranks, on the same weights (same seed) and this rank's tokens
+        result["grouped_vs_loop_max_diff"] = diff / max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
+    else:
+        del layers["loop"]
+    if world > 1:  # expert parallel over all ranks, on the same weights and this rank's tokens
         layout = parallel.Layout(world, 1, world)
         layout.check(cfg, world, 1)
-        ep_moe = MoE(cfg).to(device)
-        ep_moe.load_state_dict(moe.state_dict())
-        ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
-        ep_moe.experts.impl = "grouped"
-        y_ep, _ = variant("ep")()
-        ep_diff = (y_ep - y_g).abs().max().item()
-        variants.append("ep")
-    times = defaultdict(list)
-    for i in range(args.warmup + args.iters):
-        for name in variants:  # alternate, so drifting machine load hits every variant alike
-            ms = timed_ms(variant(name), device)
-            if i >= args.warmup:
-                times[name].append(ms)
-    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
-              "active_hidden": active_hidden, "dense_hidden": dense_hidden}
-    for name in variants:
-        result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
-        result[f"{name}_ms_min"] = min(times[name])
-    dense_ms_per_active = result["dense_ms"] * active_hidden / dense_hidden  # the dense time at the MoE's FLOPs
-    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
-    for name in variants:
-        if name != "ep":
-            done = flops * (dense_hidden / active_hidden if name == "dense" else 1)  # the dense one does a bit more
-            say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
-                f"{done / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
-    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
-    if args.loop:
-        result.update(loop_to_dense=result["loop_ms"] / dense_ms_per_active, grouped_vs_loop_max_diff=diff)
-        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to {diff:.1e} (relative)")
-    if ep_moe is not None:
-        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        result["ep_vs_local_max_diff"] = max_over_ranks(ep_diff)
-        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
-            f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
-            f"{result['ep_vs_local_max_diff']:.1e})")
+        layers["ep"] = MoE(cfg).to(device)
+        layers["ep"].load_state_dict(moe.state_dict())
+        layers["ep"].experts = parallel.ExpertParallelExperts(layers["ep"].experts,
+                                                              parallel.build_mesh(layout, device.type)["ep"])
+        layers["ep"].experts.impl = "grouped"
+        result["ep_vs_local_max_diff"] = (variant("ep")()[0] - y_g).abs().max().item()
+    times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
+    moe_report(result, times, 6 * N * D * 3 * active_hidden, world, say)  # fwd + bwd of the active matmuls
     if args.breakdown:
         table, ops, wall, _ = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
         result["components_ms"] = table
@@ -639,110 +600,87 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py plan: memory, traffic and time for a layout, by arithmetic on a meta-device model
 
-# Per GPU kind: dense bf16 peak (TFLOP/s), memory (GiB), NVLink bandwidth per GPU each way and the default network
-# bandwidth per GPU each way (GB/s) of an 8-GPU node with one NIC per GPU (line rates; measured NCCL bus bandwidth
-# is typically 80-90% of them: pass it with --nvlink_gbs / --net_gbs).
+# Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
+# (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs).
 GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50),    # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
         "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50),   # NVLink 4, 400 Gb/s NIC
         "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
         "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
-# A plan fits when its prediction leaves 10% of the GPU for what it does not model: the CUDA context, NCCL buffers,
-# allocator fragmentation, EP load imbalance.
-FIT_FRACTION = 0.9
+FIT_FRACTION = 0.9  # 10% left for the CUDA context, NCCL buffers, fragmentation, EP load imbalance
 AG, RS, AR, A2A = "FSDP all-gather", "FSDP reduce-scatter", "HSDP all-reduce across replicas", "EP all-to-all"
 
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
-    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": saved plus the largest
-    transient (the head's at the loss, or one block re-materialised by AC)}.
-
-    Per token, with c bytes per compute element (2 bf16, 4 fp32), flash-style attention (no T x T matrix; the boolean
-    masks of CPU's exact path are not counted) and balanced routing (an EP rank receives K tokens per token):
-      RMSNorm of width w             cw + 4  its input and one fp32 scale per row
-      attention                      cD (pre-norm output, the q/k/v/gate input) + c(Hd + Gd) + 4(H + G) (q/k norms)
-                                     + c(Hd + 2Gd) (q, k, v) + c·Hd + 4H (output, fp32 log-sum-exp)
-                                     + 3c·Hd (output reshaped, sigmoid(gate), their product = o_proj input)
-      SwiGLU of hidden F             4cF     gate (silu input), silu output, up, product (down input)
-      router                         8E      fp32 logits (z-loss) and sigmoid scores (gates, balance loss)
-                                     + 4D    its input cast to fp32 (with c = 4 it shares the FFN input)
-      routed experts, per K pairs    c(D + 5I) + 20: gathered input, gate_up output (2I), silu output, product,
-                                     product x gate (the down input); the fp32 gate; two int64 index vectors
-      block                          4 norms of D, cD FFN input, attention, then SwiGLU or router + experts + shared
-      head                           cD + 4 + cD   final norm, and the head input's gradient, which
-                                     model.head_cross_entropy computes in forward along with the weight's
-    and per micro-batch the head weight's fp32 gradient 4VD; at the loss a transient of one chunk of R rows of
-    logits (model.head_chunk_rows on a GPU), 4RV fp32, plus with c = 2 the chunk's logits and gradient 2cRV and the
-    bf16 weight copy and chunk product of the weight gradient 2cVD.
-    selective AC keeps the block input and the outputs of matmuls, attention and all-to-alls (parallel._sac_policy):
-      cD + c(2Hd + 2Gd) + c·Hd + 4H + cD, then SwiGLU c(2F + D) or router 4E + experts K·c(2I + D)
-      + shared c(2Is + D) + 2K·cD with ep > 1; full AC keeps the block input cD."""
+    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": plus the largest transient
+    (the head's chunk at the loss, or a block AC re-materialises)}. c bytes per compute element, flash-style attention
+    (no T x T matrix), balanced routing. Selective AC keeps the block input and the outputs of matmuls, attention and
+    all-to-alls (parallel._sac_policy); full AC the block input."""
     D, H, G, Dh, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     E, K, I, Is = cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.expert_hidden * cfg.n_shared_experts
     Hd, Gd = H * Dh, G * Dh
+    # Per token. Attention: its input, q/k/v/gate, fp32 q/k norm scales, normed q, k, v, the output and its fp32
+    # log-sum-exp, the output reshaped, sigmoid(gate) and their product (o_proj's input).
     attn = c * D + c * (Hd + Gd) + 4 * (H + G) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
     attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
+    # Router: its fp32 input (c = 4: the FFN input), fp32 logits and scores. Per routed pair: the gathered input,
+    # gate_up output (2I), silu output, product, product x gate, fp32 gate, two int64 indices. A SwiGLU: 4c per unit.
     experts = (4 * D if c == 2 else 0) + 8 * E + K * (c * (D + 5 * I) + 20) + 4 * c * Is
     experts_sel = 4 * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
-    full_layer, sel_layer = [], []
-    for layer in range(cfg.n_layers):
-        moe = cfg.is_moe(layer)
-        full_layer.append(4 * (c * D + 4) + c * D + attn + (experts if moe else 4 * c * cfg.dense_hidden))
-        sel_layer.append(c * D + attn_sel + (experts_sel if moe else c * (2 * cfg.dense_hidden + D)))
+    # A block: four RMSNorm inputs (and an fp32 scale per row), the FFN input, attention, the FFN.
+    full_layer = [4 * (c * D + 4) + c * D + attn + (experts if cfg.is_moe(i) else 4 * c * cfg.dense_hidden)
+                  for i in range(cfg.n_layers)]
+    sel_layer = [c * D + attn_sel + (experts_sel if cfg.is_moe(i) else c * (2 * cfg.dense_hidden + D))
+                 for i in range(cfg.n_layers)]
     tokens = micro_batch * seq
-    head = (c * D + 4) + c * D
+    head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
+    # At the loss: a chunk of R rows of fp32 logits; in bf16 also its logits and gradient, the weight's bf16 copy
+    # and the chunk's product for the weight gradient.
     R = min(tokens, head_chunk_rows(V, torch.device("cuda")))
     head_transient = 4 * R * V + (2 * c * R * V + 2 * c * V * D if c < 4 else 0)
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
-    recompute = max(full_layer)
-    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}
+    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}  # + the head weight's fp32 gradient
     return {mode: {"saved": kept[mode], "peak": kept[mode] + max(head_transient, 0 if mode == "none" else
-                                                                    tokens * recompute)}
+                                                                    tokens * max(full_layer))}
             for mode in parallel.AC_MODES}
 
 
 @dataclasses.dataclass
 class Links:
-    """How GPUs talk: nodes of `per_node` GPUs joined by NVLink at `intra` bytes/s per GPU each way, nodes joined by
-    the network at `inter` bytes/s per GPU each way (one NIC per GPU), `latency` seconds per step of a collective."""
+    """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter`
+    (one NIC per GPU); `latency` seconds per step of a collective."""
     per_node: int = 8
     intra: float = 900e9
     inter: float = 100e9
     latency: float = 5e-6
 
     def span(self, stride: int, size: int) -> tuple[int, int]:
-        """(ranks per node, nodes) of a group of `size` ranks `stride` apart, in build_mesh's rank order (row-major
-        over [dp_replicate, efsdp, ep]): EP groups are consecutive ranks, FSDP groups consecutive blocks of dp_shard
-        ranks, expert FSDP groups every ep-th rank of a block, replicas dp_shard ranks apart."""
+        """(ranks per node, nodes) of `size` ranks `stride` apart (build_mesh's order: [dp_replicate, efsdp, ep])."""
         nodes = len({i * stride // self.per_node for i in range(size)})
         return size // nodes, nodes
 
     def ring_s(self, nbytes: float, group: tuple[int, int]) -> float:
-        """An all-gather or reduce-scatter of an `nbytes` buffer (the unsharded size) over a group of k ranks on each
-        of m nodes, hierarchically: a ring over NVLink inside each node, then a ring over the m nodes in which each
-        of the k GPUs carries 1/k of the buffer through its own NIC (what NCCL's rings over rail-aligned NICs reach:
-        a node's k NICs together)."""
+        """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
+        node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
         k, m = group
         s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
         return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
 
     def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
-        """One collective of `kind` on an `nbytes` buffer (an all-reduce: a reduce-scatter, then an all-gather)."""
+        """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
         if kind == A2A:
             return self.all_to_all_s(nbytes, group)
         return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
 
     def all_to_all_s(self, nbytes: float, group: tuple[int, int]) -> float:
-        """Each rank sends `nbytes` spread evenly over the group's n = km ranks: (k-1)/n of it over NVLink and
-        (n-k)/n over the network at the same time, one step per peer."""
+        """Each rank sends `nbytes` over n = km ranks: (k-1)/n over NVLink while (n-k)/n crosses the network."""
         k, m = group
         n = k * m
         return max(nbytes * (k - 1) / n / self.intra, nbytes * (n - k) / n / self.inter) + (n - 1) * self.latency
 
 
 def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float, float]:
-    """(bytes a GPU sends, of which over the network) for one collective on an `nbytes` buffer (all-reduce: the
-    ring reduce-scatter then all-gather, twice a ring's)."""
+    """(bytes a GPU sends, of which over the network) in one collective (an all-reduce: twice a ring's)."""
     k, m = group
     n = k * m
     if kind == A2A:
@@ -751,144 +689,132 @@ def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float,
     return twice * nbytes * (n - 1) / n, twice * nbytes * (m - 1) / n
 
 
-_FACTS = {}
-
-
 @functools.lru_cache(maxsize=None)
 def shard(unit: tuple, shards: int) -> int:
-    """Elements of one rank's shard of an FSDP unit (its parameter shapes): FSDP2 shards dim 0, padding it to a
-    multiple of the shard count."""
+    """Elements of one rank's shard of an FSDP unit (parameter shapes); FSDP2 pads dim 0 to the shard count."""
     return sum(-(-shape[0] // shards) * math.prod(shape[1:]) for shape in unit)
 
 
+_FACTS = {}  # by repr(cfg): one meta-device model per config
+
+
 def model_facts(cfg) -> dict:
-    """What planning needs from a meta-device model, built once per config: parameter shapes of each FSDP unit,
-    matmul FLOPs per token of each block (attention's at `seq` added later) and of the output head, counts."""
-    key = repr(cfg)
-    if key not in _FACTS:
-        model = meta_model(cfg)
-        norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-        share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
+    """From a meta-device model: each FSDP unit's parameter shapes, each block's matmul FLOPs per token, counts."""
+    if repr(cfg) in _FACTS:
+        return _FACTS[repr(cfg)]
+    model = meta_model(cfg)
+    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
+    blocks = list(model.layers.values())
+    shapes = lambda params: tuple(tuple(p.shape) for p in params)  # noqa: E731
+    _FACTS[repr(cfg)] = {
+        "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
+        "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
+        "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
+                    for b in blocks],
+        # 6 FLOPs per weight a token touches: forward 2, backward 4
+        "block_flops": [6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
+                                for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
+        "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
+    return _FACTS[repr(cfg)]
 
-        def matmul_flops(block):  # 6 per weight a token touches: forward 2, backward 4
-            return 6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
-                           for n, p in block.named_parameters() if id(p) not in norms)
 
-        blocks = list(model.layers.values())
-        _FACTS[key] = {
-            "root": tuple(tuple(p.shape) for name, p in model.named_parameters() if not name.startswith("layers.")),
-            "blocks": [tuple(tuple(p.shape) for name, p in b.named_parameters() if ".experts." not in f".{name}")
-                       for b in blocks],
-            "experts": [tuple(tuple(p.shape) for p in (b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj))
-                        if isinstance(b.ffn, MoE) else () for b in blocks],
-            "block_flops": [matmul_flops(b) for b in blocks],
-            "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
-    return _FACTS[key]
+def fsdp_memory(world: int, params: int, full: dict, c: int, accum: int, grad_sync: str, keep_gathered: bool) -> dict:
+    """Bytes per GPU of fp32 shards, AdamW state and FSDP's buffers; `full`: each unit's unsharded elements."""
+    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params,
+              "optimizer (AdamW m, v in fp32)": 8 * params}
+    if world == 1:
+        return memory
+    every, largest = full["root"] + sum(full["blocks"]) + sum(full["experts"]), max(full["blocks"] + full["experts"])
+    if keep_gathered:
+        memory["every unit gathered (compute copies)"] = c * every
+    else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
+        memory["FSDP all-gather buffers (compute copies)"] = c * (full["root"] + 2 * largest)
+    # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter.
+    memory["FSDP reduce-scatter buffers"] = (c + 4) * max(full["root"], largest)
+    if grad_sync == "last" and accum > 1:
+        memory["unsharded gradients held across micro-batches"] = 4 * every
+    return memory
+
+
+def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c: int, tokens: int, full: int,
+                     expert_full: int) -> dict:
+    """One FSDP unit's collectives (kind, buffer bytes, (ranks per node, nodes)) by part of the step, and their
+    seconds (part_s); `full`, `expert_full`: its unsharded dense and routed-expert elements."""
+    moe = expert_full > 0
+    g_dense, g_expert, g_replica, g_ep = (groups[k] for k in ("dp_shard", "efsdp", "dp_replicate", "ep"))
+    # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
+    pairs = tokens * cfg.top_k
+    a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
+    comm = {"gather": [(AG, c * full, g_dense)] + ([(AG, c * expert_full, g_expert)] if moe else []),
+            "reduce": [(RS, 4 * full, g_dense)] + ([(RS, 4 * expert_full, g_expert)] if moe else []),
+            "all_reduce": [(AR, 4 * full // layout.dp_shard, g_replica)]
+                          + ([(AR, 4 * expert_full // layout.efsdp, g_replica)] if moe else []),
+            "a2a_fwd": [(A2A, b, g_ep) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
+            "a2a_bwd": [(A2A, b, g_ep) for b in a2a]}
+    return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
 
 
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
          compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
          links: Links | None = None, detail: bool = True) -> dict:
-    """Per-GPU memory (bytes), FLOPs per token, the collectives of one optimizer step and the bytes they send for
-    `cfg` on `layout`, as parallel.py shards it: FSDP units are each block's dense parameters and the root
-    (embedding, final norm, head) over dp_shard = S ranks, and each MoE layer's routed experts, E/ep per EP rank,
-    over efsdp = S/ep ranks; replicated dp_replicate times. Mixed precision as train.py on GPU: fp32 master weights,
-    gradients and AdamW state; compute copies in `compute_bytes`; gradients reduced in fp32. `grad_sync`: "every" as
-    train.train_step does (reduce-scatter each micro-batch, all-reduce across replicas on the last), "last" (FSDP2's
-    set_requires_gradient_sync on the last micro-batch only, which keeps every unit's unsharded fp32 gradients
-    between micro-batches). `keep_gathered`: train.py --keep_gathered (parameters gathered once per step and kept
-    until the last micro-batch's backward) instead of FSDP2's default (a block gathered in forward, freed, gathered
-    again in backward, every micro-batch; the root kept from forward to backward). detail=False stops after the
-    memory (the search's first filter). Each unit's collectives come with their seconds on `links`."""
+    """Per-GPU memory (bytes), FLOPs per token and one optimizer step's collectives (bytes, seconds on `links`) for
+    `cfg` on `layout` as parallel.py shards it: blocks' dense parameters and the root (embedding, final norm, head)
+    over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and AdamW
+    state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py does,
+    "last" holds unsharded gradients until the last. detail=False: the memory only (the search's first filter)."""
     layout.check(cfg, global_batch, micro_batch)
     facts, links = model_facts(cfg), links or Links()
-    W, R, S, Fs, ep = layout.world, layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep
-    c, accum = compute_bytes, layout.accumulation_steps(global_batch, micro_batch)
-
+    R, S, Fs, ep, c = layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep, compute_bytes
+    accum = layout.accumulation_steps(global_batch, micro_batch)
     experts = [tuple((cfg.n_experts // ep, *s[1:]) for s in unit) for unit in facts["experts"]]
     params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
-    # Unsharded elements of each unit as FSDP gathers it (every shard padded alike): dense units over S, experts
-    # over Fs.
-    root_full = S * shard(facts["root"], S)
-    block_full = [S * shard(u, S) for u in facts["blocks"]]
-    expert_full = [Fs * shard(u, Fs) for u in experts]
-    largest = max(block_full + expert_full)
-    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params,
-              "optimizer (AdamW m, v in fp32)": 8 * params}
-    if W > 1:
-        if keep_gathered:
-            memory["every unit gathered (compute copies)"] = c * (root_full + sum(block_full) + sum(expert_full))
-        else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
-            memory["FSDP all-gather buffers (compute copies)"] = c * (root_full + 2 * largest)
-        # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter.
-        memory["FSDP reduce-scatter buffers"] = (c + 4) * max(root_full, largest)
-        if grad_sync == "last" and accum > 1:
-            memory["unsharded gradients held across micro-batches"] = 4 * (root_full + sum(block_full)
-                                                                           + sum(expert_full))
+    # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
+    full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
+            "experts": [Fs * shard(u, Fs) for u in experts]}
+    memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered)
     acts = activation_bytes(cfg, seq, micro_batch, c, ep)
     memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
     if not detail:
         return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
 
-    # The collectives, per FSDP unit in forward order (the root first): (kind, buffer bytes, (ranks per node, nodes)).
-    g_dense, g_expert = links.span(1, S), links.span(ep, Fs)
-    g_replica, g_ep = links.span(S, R), links.span(1, ep)
-    tokens = micro_batch * seq
-    # One MoE layer's all-to-alls in one direction: tokens out and results back (D wide, compute dtype) and the
-    # fp32 gates with the tokens; forward also sends the int64 counts first.
-    pairs = tokens * cfg.top_k
-    a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c]
+    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
+              "ep": links.span(1, ep)}
+    root, blocks = (full["root"], 0), list(zip(full["blocks"], full["experts"]))
+    made = {key: unit_collectives(cfg, layout, links, groups, c, micro_batch * seq, *key)
+            for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
     attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
-    units, made = [], {}  # units of the same sizes share their collectives (most blocks are alike)
-    for full, unit_expert, (i, block_flops) in zip([root_full] + block_full, [0] + expert_full,
-                                                   [(-1, 0)] + list(enumerate(facts["block_flops"]))):
-        if (full, unit_expert) not in made:
-            moe = unit_expert > 0
-            comm = made[full, unit_expert] = {
-                "gather": [(AG, c * full, g_dense)] + ([(AG, c * unit_expert, g_expert)] if moe else []),
-                "reduce": [(RS, 4 * full, g_dense)] + ([(RS, 4 * unit_expert, g_expert)] if moe else []),
-                "all_reduce": [(AR, 4 * full // S, g_replica)] + ([(AR, 4 * unit_expert // Fs, g_replica)]
-                                                                  if moe else []),
-                "a2a_fwd": [(A2A, b, g_ep) for b in [8 * cfg.n_experts] + a2a] if moe and ep > 1 else [],
-                "a2a_bwd": [(A2A, b, g_ep) for b in a2a] if moe and ep > 1 else []}
-            for part in list(comm):
-                comm[f"{part}_s"] = sum(links.seconds(*collective) for collective in comm[part])
-        ctx = 0 if i < 0 else (seq if cfg.is_global(i) else min(cfg.window, seq))
-        units.append({**made[full, unit_expert], "flops": block_flops + attn_flops * ctx})
+    units = [{**made[root], "flops": 0}] + [
+        {**made[key], "flops": flops + attn_flops * (seq if cfg.is_global(i) else min(cfg.window, seq))}
+        for i, (key, flops) in enumerate(zip(blocks, facts["block_flops"]))]
     model_flops = facts["flops_per_token"](seq)
-    head_flops = model_flops - sum(u["flops"] for u in units)  # the output head's matmuls (the root's)
-
-    # How often each happens in one optimizer step.
-    counts = {"gather": accum if not keep_gathered else 1, "regather": 0 if keep_gathered else accum,
-              "reduce": accum if grad_sync == "every" else 1, "all_reduce": 1,
-              "a2a": accum * (2 if ac == "full" else 1)}  # full AC repeats the forward's in backward
-    times = {"gather": counts["gather"] + counts["regather"], "reduce": counts["reduce"],
-             "all_reduce": counts["all_reduce"], "a2a_fwd": counts["a2a"], "a2a_bwd": accum}
+    # How often each part runs in one optimizer step; each kind of unit counted once, times its number.
+    gathers = 1 if keep_gathered else accum
+    times = {"gather": gathers + (0 if keep_gathered else accum), "reduce": accum if grad_sync == "every" else 1,
+             "all_reduce": 1, "a2a_fwd": accum * (2 if ac == "full" else 1),  # full AC repeats them in backward
+             "a2a_bwd": accum}
     traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
-    alike = Counter(zip(block_full, expert_full))  # each kind of block counted once, times its number
-    for comm, uses, root in [(made[root_full, 0], 1, True)] + [(made[key], k, False) for key, k in alike.items()]:
+    for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
         for part, n in times.items():
-            n = counts["gather"] if root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
-            for kind, nbytes, group in comm[part]:
+            n = gathers if is_root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
+            for kind, nbytes, group in made[key][part]:
                 for side, b in enumerate(sent_bytes(nbytes, group, kind)):
                     traffic[kind][side] += uses * n * b
     count = facts["params"]
-    return {"world": W, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep, "accumulation_steps": accum,
-            "micro_batch": micro_batch, "seq": seq, "ac": ac, "keep_gathered": keep_gathered, "grad_sync": grad_sync,
-            "params_total": count["total"], "params_active": count["active"], "params_per_gpu": params,
-            "flops_per_token": model_flops, "head_flops_per_token": head_flops, "memory_bytes": memory,
-            "memory_total_bytes": sum(memory.values()),
+    return {"world": layout.world, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep,
+            "accumulation_steps": accum, "micro_batch": micro_batch, "seq": seq, "ac": ac,
+            "keep_gathered": keep_gathered, "grad_sync": grad_sync, "params_total": count["total"],
+            "params_active": count["active"], "params_per_gpu": params, "flops_per_token": model_flops,
+            "head_flops_per_token": model_flops - sum(u["flops"] for u in units),  # the output head's matmuls
+            "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
             "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES},
             "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
-            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()},
-            "groups": {"dp_shard": g_dense, "efsdp": g_expert, "dp_replicate": g_replica, "ep": g_ep},
-            "units": units}
+            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()}, "groups": groups, "units": units}
 
 
 class Timeline:
-    """One GPU's optimizer step on two resources: the compute stream, and the links, one queue for every FSDP
-    collective (all-gathers and reduce-scatters share the same NVLink and NICs). The EP all-to-all runs on the
-    compute stream: the experts wait for their tokens. Counts, per kind, the seconds compute waits for the links."""
+    """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
+    queue for every FSDP collective); `seconds` counts, by kind, the time compute waits for the links."""
 
     def __init__(self):
         self.compute_end = self.link_end = 0.0
@@ -918,10 +844,9 @@ class Timeline:
 
 
 def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
-    """One micro-batch of train.train_step on the timeline. Forward: the root's all-gather (embedding), then each
-    block's, issued when the block before it starts computing (FSDP2's prefetch, one block ahead); the head at the
-    end. Backward from the last block: each re-gathered one block ahead (unless kept gathered) and its gradients
-    reduce-scattered (on the last micro-batch also all-reduced across replicas) as soon as its backward ends."""
+    """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
+    backward from the last block, re-gathered one ahead (unless kept), its gradients reduce-scattered (on the last
+    micro-batch also all-reduced across replicas) as soon as its backward ends."""
     tokens, units = p["micro_batch"] * p["seq"], p["units"]
     gather, regather = first or not p["keep_gathered"], not p["keep_gathered"]
     recompute = 2 if p["ac"] == "full" else 1  # full AC runs each block's forward again in backward
@@ -953,9 +878,8 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
 
 
 def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 17e12) -> dict:
-    """Step time of plan `p` when the GPU computes at `flops_s` FLOP/s: a timeline of the first, one middle and the
-    last micro-batch, the middle one's time repeated for the others. Returns seconds per step, compute, exposed
-    communication by kind, link time by kind, tokens/s per GPU, projected MFU and days for `tokens_budget`."""
+    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated for the others) and the last micro-batch on a
+    timeline; step seconds, compute and exposed waits and link time by kind, tokens/s per GPU, MFU, days."""
     tl, accum = Timeline(), p["accumulation_steps"]
     marks = []
     for i in range(min(accum, 3)):
@@ -976,18 +900,14 @@ def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 
 
 
 def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, flops_s: float, top: int = 5):
-    """Every layout train.py can run for this model, GPU count and global batch (dp_replicate x dp_shard, ep,
-    micro-batch and so accumulation, AC mode, --keep_gathered), projected; the `top` fastest that fit in memory and
-    the numbers tried and fitting."""
+    """The `top` fastest layouts train.py can run that fit (replicas, ep, micro-batch, AC, --keep_gathered), with the
+    numbers tried and fitting."""
     peak, mem_gib = GPUS[gpu][:2]
-    rows = global_batch // gpus
     found, tried = [], 0
+    moe = cfg.n_dense_layers < cfg.n_layers
     for R in parallel._divisors(gpus):
-        S = gpus // R
-        eps = [e for e in parallel._divisors(S) if cfg.n_experts % e == 0] if cfg.n_dense_layers < cfg.n_layers \
-            else [1]
-        for ep in eps:
-            for micro in parallel._divisors(rows):
+        for ep in [e for e in parallel._divisors(gpus // R) if cfg.n_experts % e == 0] if moe else [1]:
+            for micro in parallel._divisors(global_batch // gpus):
                 for ac in parallel.AC_MODES:
                     for keep in (False, True):
                         tried += 1
@@ -1001,7 +921,6 @@ def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, 
 
 
 def layout_flags(p: dict) -> str:
-    """The train.py flags of a plan's layout."""
     return (f"--dp_replicate={p['dp_replicate']} --ep={p['ep']} --micro_batch={p['micro_batch']} --ac={p['ac']}"
             + (" --keep_gathered=true" if p["keep_gathered"] else ""))
 
@@ -1010,13 +929,13 @@ def why_slower(t: dict, best: dict) -> str:
     """The part of the step that grew most against the best layout's."""
     if t["step_s"] <= 1.005 * best["step_s"]:
         return "ties with the fastest (within 0.5%)"
-    parts = set(t["seconds"]) | set(best["seconds"])
-    worst = max(parts, key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
+    worst = max(set(t["seconds"]) | set(best["seconds"]),
+                key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
     return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
 
 
 def read_tflops(text: str) -> tuple[float, str]:
-    """--tflops: a number, or a saved `bench.py --json` result (its last line) whose tflops_per_device is used."""
+    """--tflops: a number, or a saved `bench.py --json` output whose last line gives tflops_per_device."""
     try:
         return float(text), "given"
     except ValueError:
@@ -1032,6 +951,44 @@ def read_tflops(text: str) -> tuple[float, str]:
     except (IndexError, ValueError, KeyError, TypeError):
         raise ValueError(f"{text} does not end with a bench.py --json result holding tflops_per_device; save the "
                          f"output of `python bench.py --json ...` on the GPU.") from None
+
+
+def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
+    """The plan's report: layout, parameters, memory, FLOPs, links, traffic, the step's time and the run's days."""
+    peak, mem_gib = GPUS[r["gpu"]][:2]
+    tokens_per_step = r["global_batch"] * r["seq"]
+    print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
+          f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
+          f"({p['accumulation_steps']} micro-batch(es) per step), ac={r['ac']}, grad_sync={r['grad_sync']}, "
+          f"keep_gathered={r['keep_gathered']}")
+    print(layout)
+    print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
+    print("memory per GPU:")
+    for k, v in r["memory_gib"].items():
+        print(f"  {k:48s} {v:9.2f} GiB")
+    print(f"  {'total':48s} {r['memory_gib_per_gpu']:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: "
+          f"{FIT_FRACTION * mem_gib:.0f})")
+    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
+                                                       for k, v in r["activations_gib_by_ac"].items()))
+    print(f"FLOPs per token at seq {r['seq']}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
+          f"attention)")
+    spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
+    print(f"links: {links.per_node} GPUs per node, NVLink {links.intra / 1e9:g} GB/s and network "
+          f"{links.inter / 1e9:g} GB/s per GPU each way, {links.latency * 1e6:g} us per collective step; groups "
+          f"(ranks per node x nodes): {spans}")
+    print("bytes each GPU sends per optimizer step, and the time they take on the links:")
+    for k, v in p["traffic_bytes_per_step"].items():
+        print(f"  {k:40s} {v / 1e9:9.1f} GB ({p['network_bytes_per_step'][k] / 1e9:7.1f} GB over the network) "
+              f"{t['link_s'].get(k, 0.0):7.2f} s")
+    print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
+          f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
+    for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:48s} {v:9.2f} s")
+    print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+          f"{100 * t['mfu']:.1f}%")
+    print(f"time: {r['tokens']:.3g} tokens on {r['gpus']} x {r['gpu']}: {t['days']:.1f} days "
+          f"({r['tokens'] / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
 
 
 def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
@@ -1055,68 +1012,35 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
     except ValueError as e:
         return {**result, "fits": False, "reason": str(e), "exit": 2}
     t = project(p, tflops * 1e12, peak, args.tokens)
-    gib = lambda b: b / 2**30  # noqa: E731
-    total_gib, budget = gib(p["memory_total_bytes"]), FIT_FRACTION * mem_gib
-    tokens_per_step = global_batch * seq
-    traffic, network = p["traffic_bytes_per_step"], p["network_bytes_per_step"]
+    total_gib, budget = p["memory_total_bytes"] / 2**30, FIT_FRACTION * mem_gib
     result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
-                  memory_gib={k: gib(v) for k, v in p["memory_bytes"].items()},
-                  activations_gib_by_ac={k: gib(v) for k, v in p["activations_by_ac"].items()},
+                  memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
+                  activations_gib_by_ac={k: v / 2**30 for k, v in p["activations_by_ac"].items()},
                   flops_per_token=p["flops_per_token"], params_total=p["params_total"],
                   params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
-                  traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in traffic.items()},
-                  network_gb_per_step_per_gpu={k: v / 1e9 for k, v in network.items()},
+                  traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["traffic_bytes_per_step"].items()},
+                  network_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["network_bytes_per_step"].items()},
                   step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
                   tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], tokens=args.tokens, days=t["days"],
                   fits=total_gib <= budget)
-    print(f"plan: {tc.preset} on {args.gpus} x {args.gpu} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
-          f"seq {seq}, micro-batch {args.micro_batch}, global batch {global_batch} "
-          f"({p['accumulation_steps']} micro-batch(es) per step), ac={args.ac}, grad_sync={args.grad_sync}, "
-          f"keep_gathered={tc.keep_gathered}")
-    print(layout.describe(cfg.n_experts))
-    print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
-          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
-    print("memory per GPU:")
-    for k, v in result["memory_gib"].items():
-        print(f"  {k:48s} {v:9.2f} GiB")
-    print(f"  {'total':48s} {total_gib:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: {budget:.0f})")
-    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
-                                                       for k, v in result["activations_gib_by_ac"].items()))
-    print(f"FLOPs per token at seq {seq}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
-          f"attention)")
-    spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
-    print(f"links: {links.per_node} GPUs per node, NVLink {links.intra / 1e9:g} GB/s and network "
-          f"{links.inter / 1e9:g} GB/s per GPU each way, {links.latency * 1e6:g} us per collective step; groups "
-          f"(ranks per node x nodes): {spans}")
-    print(f"bytes each GPU sends per optimizer step, and the time they take on the links:")
-    for k, v in traffic.items():
-        print(f"  {k:40s} {v / 1e9:9.1f} GB ({network[k] / 1e9:7.1f} GB over the network) "
-              f"{t['link_s'].get(k, 0.0):7.2f} s")
-    print(f"time per step ({rate_from}: compute at {tflops:g} TFLOP/s; all-gathers prefetched one block ahead, "
-          f"reduce-scatters overlapping backward, the EP all-to-all in line):")
-    for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
-        print(f"  {k:48s} {v:9.2f} s")
-    print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
-          f"{100 * t['mfu']:.1f}%")
-    print(f"time: {args.tokens:.3g} tokens on {args.gpus} x {args.gpu}: {t['days']:.1f} days "
-          f"({args.tokens / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
+    print_plan(result, p, t, links, layout.describe(cfg.n_experts), rate_from)
     if args.search:
         best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12)
-        result["search"] = {"tried": tried, "fit": fit, "best": [
-            {"flags": layout_flags(q), "step_seconds": r["step_s"], "mfu": r["mfu"], "days": r["days"],
-             "memory_gib_per_gpu": gib(q["memory_total_bytes"]), "seconds_per_step": r["seconds"]}
-            for q, r in best]}
         print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
               + ("" if best else " none; use more GPUs or a smaller model"))
-        for i, (q, r) in enumerate(best):
-            lose = "fastest" if i == 0 else f"+{100 * (r['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
-                                               f"{why_slower(r, best[0][1])}"
-            print(f"  {i + 1}. {layout_flags(q):76s} {r['step_s']:#7.3g} s  MFU {100 * r['mfu']:4.1f}%  "
-                  f"{r['days']:5.1f} days  {gib(q['memory_total_bytes']):5.0f} GiB  {lose}")
+        for i, (q, s) in enumerate(best):
+            lose = "fastest" if i == 0 else f"+{100 * (s['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
+                                            f"{why_slower(s, best[0][1])}"
+            print(f"  {i + 1}. {layout_flags(q):76s} {s['step_s']:#7.3g} s  MFU {100 * s['mfu']:4.1f}%  "
+                  f"{s['days']:5.1f} days  {q['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
         if best:
             print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
             print(f"  the fastest with train.py ({args.gpus} ranks): train.py --preset={tc.preset} --seq_len={seq} "
                   f"--global_batch={global_batch} {layout_flags(best[0][0])}")
+        result["search"] = {"tried": tried, "fit": fit, "best": [
+            {"flags": layout_flags(q), "step_seconds": s["step_s"], "mfu": s["mfu"], "days": s["days"],
+             "memory_gib_per_gpu": q["memory_total_bytes"] / 2**30, "seconds_per_step": s["seconds"]}
+            for q, s in best]}
     if not result["fits"]:
         hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
                 "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
@@ -1127,6 +1051,7 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
                             f"{mem_gib} GiB{hint}")
         result["exit"] = 1
     return result
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
@@ -1140,7 +1065,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
     tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
     run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
-    cfg, autocast, dtype = run.cfg, run.autocast, run.dtype
+    cfg, autocast = run.cfg, run.autocast
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
@@ -1155,9 +1080,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     hf_impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))
     print(f"vs-hf: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, expert "
           f"hidden {cfg.expert_hidden}, vocab {cfg.vocab_size}; {tc.global_batch} x {tc.seq_len} tokens per step in "
-          f"{n_micro} micro-batch(es); {dtype or torch.float32} on {device_name(device)}; transformers "
+          f"{n_micro} micro-batch(es); {run.dtype or torch.float32} on {device_name(device)}; transformers "
           f"{transformers.__version__} with attention={hf_impl[0]}, experts={hf_impl[1]}")
-
     losses = {}
 
     def step_ours():
@@ -1165,29 +1089,22 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
     def step_hf():  # the same work: micro-batches, clipping, AdamW; no balance losses or bias update (HF has none)
         tokens_BT, targets_BT, _ = (t.to(device) for t in batch)
-        total = 0.0
+        losses["hf"] = 0.0
         for i in range(n_micro):
             rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
             with autocast:
                 logits_BTV = hf(input_ids=tokens_BT[rows], use_cache=False).logits
                 loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT[rows].flatten())
             (loss / n_micro).backward()
-            total += loss.item() / n_micro
+            losses["hf"] += loss.item() / n_micro
         torch.nn.utils.clip_grad_norm_(hf.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         opt_hf.step()
         opt_hf.zero_grad(set_to_none=True)
-        losses["hf"] = total
 
     step_ours()
     step_hf()
     first_diff = abs(losses["ours"] - losses["hf"])
-    times = defaultdict(list)
-    for i in range(args.warmup + args.iters):
-        pair = (("ours", step_ours), ("hf", step_hf))
-        for name, fn in pair if i % 2 == 0 else pair[::-1]:  # alternate who goes first
-            ms = timed_ms(fn, device)
-            if i >= args.warmup:
-                times[name].append(ms)
+    times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters, flip=True)
     result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": hf_impl[0],
               "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len,
               "ours_ms": statistics.median(times["ours"]), "hf_ms": statistics.median(times["hf"]),
@@ -1217,6 +1134,7 @@ def bench_plot(out_dir: str) -> dict:
         sys.exit("bench.py plot draws with matplotlib, which is not installed here: pip install matplotlib")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+
     series = lambda key: [(r["step"], r[key]) for r in rows if r.get(key) is not None]  # noqa: E731
     fig, (ax_loss, ax_grad, ax_vio) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     for key, style in (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-")):
@@ -1260,13 +1178,6 @@ class _Parser(train._Parser):
         super().error(message)
 
 
-def _parser(command: str, description: str) -> argparse.ArgumentParser:
-    return _Parser(prog=f"bench.py {command}".rstrip(), description=description, allow_abbrev=False,
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                         epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
-                                "such as --dim=512, and the layout, batch and precision flags.")
-
-
 def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
     """An argparse type: `kind` of the text, refused with the range it must be in."""
     def parse(text: str):
@@ -1280,15 +1191,69 @@ def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
     return parse
 
 
-def _timing_flags(parser, warmup: int, iters: int):
-    parser.add_argument("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
-    parser.add_argument("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
-    parser.add_argument("--threads", type=_bounded(int, 0), default=0,
-                        help="CPU threads for torch (0: torch's default); 1 gives steadier ratios on a machine others "
-                             "are using")
-    parser.add_argument("--clock", choices=CLOCKS, default="wall",
-                        help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
+def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser of a command's own flags, and the train.py flags it defaults to."""
+    description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
+                           + ", ".join(COMMANDS) + " (bench.py COMMAND --help).",
+                   "moe": COMMANDS["moe"] + ", forward + backward on one preset's shapes.",
+                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.",
+                   "plan": COMMANDS["plan"] + " (the preset defaults to large).", "plot": COMMANDS["plot"]}[command]
+    parser = _Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
+                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                     epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides such "
+                            "as --dim=512, and the layout, batch and precision flags.")
+    add = parser.add_argument
+    switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
+    if command == "plot":
+        add("out_dir", help="a train.py --out_dir holding metrics.jsonl")
+        return parser, []
+    if command == "plan":
+        add("--gpus", type=_bounded(int, 1), default=2048, help="world size")
+        add("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
+        add("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
+        add("--seq", "--seq_len", type=_bounded(int, 0), default=0, help="sequence length (0: the preset's)")
+        add("--global_batch", type=_bounded(int, 0), default=0, help="sequences per step (0: one per GPU)")
+        add("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
+        add("--gpu", choices=GPUS, default="b300",
+            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
+        add("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
+        add("--grad_sync", choices=("last", "every"), default="every",
+            help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) | last (unsharded "
+                 "gradients held between micro-batches; not searched: train.py cannot run it)")
+        add("--tokens", type=_bounded(float, 0, low_open=True), default=17e12, help="training token budget")
+        add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
+            help="the GPU's compute rate while it computes, as a fraction of its peak (communication is added by the "
+                 "time model)")
+        add("--tflops", default="", help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on "
+            "the GPU (its tflops_per_device); overrides --mfu")
+        add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
+        add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
+        add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: "
+            "the GPU kind's default, h100/h200/b200 50, b300 100)")
+        add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
+        switch("--search", help="also list the five fastest layouts that fit (--search=false: skip)")
+    else:
+        warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
+        add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
+        add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
+        add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
+            "steadier ratios on a machine others are using")
+        add("--clock", choices=CLOCKS, default="wall",
+            help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
+    add("--json", action="store_true", help="print the result as one JSON object on the last line")
+    if command == "step":
+        add("--save", default="", metavar="PATH",
+            help="write this run (times, components, kernel fingerprint, environment) as a baseline")
+        add("--compare", default="", metavar="PATH", help="compare this run with a --save baseline of the same "
+            "flags; exit 1 when the step is slower beyond the noise band and --tolerance")
+        add("--tolerance", type=_bounded(float, 0), default=0.05,
+            help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
+    if command == "moe":
+        add("--tokens", type=_bounded(int, 1), default=2048, help="tokens through the layer (seq_len per row)")
+        switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
+    if command in ("step", "moe"):
+        switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
+    return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"], "plan": ["--preset=large"]}.get(command, [])
 
 
 def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig | None, dict]:
@@ -1301,73 +1266,9 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
             raise SystemExit(f"bench.py: error: unknown command {command!r}"
                              f"{f'; did you mean {close[0]}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
                              f"or none for the training step)")
-    train_defaults = []
+    parser, train_defaults = _command_parser(command)
     if command == "plot":
-        parser = _parser("plot", COMMANDS["plot"])
-        parser.add_argument("out_dir", help="a train.py --out_dir holding metrics.jsonl")
         return command, parser.parse_args(argv), None, {}
-    if command == "step":
-        parser = _parser("", "Time train.py's training step on synthetic tokens. Other commands: "
-                             + ", ".join(COMMANDS) + " (bench.py COMMAND --help).")
-        _timing_flags(parser, 2, 5)
-        parser.add_argument("--save", default="", metavar="PATH",
-                            help="write this run (times, components, kernel fingerprint, environment) as a baseline")
-        parser.add_argument("--compare", default="", metavar="PATH",
-                            help="compare this run with a --save baseline of the same flags; exit 1 when the step "
-                                 "is slower beyond the noise band and --tolerance")
-        parser.add_argument("--tolerance", type=_bounded(float, 0), default=0.05,
-                            help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
-    elif command == "moe":
-        parser = _parser("moe", COMMANDS["moe"] + ", forward + backward on one preset's shapes.")
-        _timing_flags(parser, 1, 5)
-        parser.add_argument("--tokens", type=_bounded(int, 1), default=2048,
-                            help="tokens through the layer (seq_len per row)")
-        parser.add_argument("--loop", type=train._parse_bool, nargs="?", const=True, default=True,
-                            help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
-    elif command == "vs-hf":
-        parser = _parser("vs-hf", COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.")
-        _timing_flags(parser, 1, 9)
-        train_defaults = ["--global_batch=4", "--micro_batch=4"]
-    else:
-        parser = _parser("plan", COMMANDS["plan"] + " (the preset defaults to large).")
-        parser.add_argument("--gpus", type=_bounded(int, 1), default=2048, help="world size")
-        parser.add_argument("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
-        parser.add_argument("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
-        parser.add_argument("--seq", "--seq_len", type=_bounded(int, 0), default=0,
-                            help="sequence length (0: the preset's)")
-        parser.add_argument("--global_batch", type=_bounded(int, 0), default=0,
-                            help="sequences per step (0: one per GPU)")
-        parser.add_argument("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
-        parser.add_argument("--gpu", choices=GPUS, default="b300",
-                            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
-        parser.add_argument("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
-        parser.add_argument("--grad_sync", choices=("last", "every"), default="every",
-                            help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) "
-                                 "| last (unsharded gradients held between micro-batches; not searched: train.py "
-                                 "cannot run it)")
-        parser.add_argument("--tokens", type=_bounded(float, 0, low_open=True), default=17e12,
-                            help="training token budget")
-        parser.add_argument("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
-                            help="the GPU's compute rate while it computes, as a fraction of its peak (communication "
-                                 "is added by the time model)")
-        parser.add_argument("--tflops", default="",
-                            help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on the GPU "
-                                 "(its tflops_per_device); overrides --mfu")
-        parser.add_argument("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
-        parser.add_argument("--nvlink_gbs", type=_bounded(float, 0), default=0,
-                            help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-        parser.add_argument("--net_gbs", type=_bounded(float, 0), default=0,
-                            help="network GB/s per GPU each way between nodes (0: the GPU kind's default, "
-                                 "h100/h200/b200 50, b300 100)")
-        parser.add_argument("--latency_us", type=_bounded(float, 0), default=5.0,
-                            help="microseconds per step of a collective")
-        parser.add_argument("--search", type=train._parse_bool, nargs="?", const=True, default=True,
-                            help="also list the five fastest layouts that fit (--search=false: skip)")
-        parser.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
-        train_defaults = ["--preset=large"]
-    if command in ("step", "moe"):
-        parser.add_argument("--breakdown", type=train._parse_bool, nargs="?", const=True, default=True,
-                            help="also time the phases and profile the components (--breakdown=false: skip)")
     args, rest = parser.parse_known_args(argv)
     own = [s for action in parser._actions for s in action.option_strings]
     for word in rest:
