@@ -47,29 +47,27 @@ def _flag(default, help: str):
 @dataclass
 class TrainConfig:
     # model and data
-    preset: str = _flag("tiny", f"model preset: {', '.join(PRESETS)}; any ModelConfig field is a flag too, "
-                                f"e.g. --n_layers=8")
-    data: str = _flag(data.DEFAULT_DATA_DIR, "prepared data directory (python data.py); the default corpus is "
-                                             "prepared automatically when absent")
-    tokenizer: str = _flag("cl100k_base", "tiktoken encoding or Hugging Face tokenizer folder the data was prepared "
-                                          "with (python data.py --tokenizer); sizes the vocabulary")
+    preset: str = _flag("tiny", f"model preset: {', '.join(PRESETS)}; ModelConfig fields are flags too (--n_layers=8)")
+    data: str = _flag(data.DEFAULT_DATA_DIR, "python data.py's output; the default corpus is prepared when absent")
+    tokenizer: str = _flag("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
+                                          "folder; sizes the vocabulary")
     seq_len: int = _flag(128, "tokens per sequence")
     doc_mask: bool = _flag(True, "intra-document attention masking (a token sees only its own document)")
     # batch and schedule
     steps: int = _flag(150, "optimizer steps")
     global_batch: int = _flag(8, "sequences per optimizer step, whatever the number of ranks")
-    micro_batch: int = _flag(0, "sequences per rank per forward, with gradient accumulation (0: global_batch / world)")
+    micro_batch: int = _flag(0, "sequences per rank per forward, accumulated (0: global_batch / world size: none)")
     lr: float = _flag(5e-3, "peak learning rate")
     min_lr_ratio: float = _flag(0.1, "final LR as a fraction of the peak")
     warmup_steps: int = _flag(20, "linear warmup steps")
-    decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then linear decay)")
-    wsd_decay_frac: float = _flag(0.2, "fraction of steps spent decaying (the last ones) with --decay=wsd")
+    decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then a linear decay)")
+    wsd_decay_frac: float = _flag(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd")
     weight_decay: float = _flag(0.1, "AdamW weight decay on matrices (not norms or biases)")
     beta1: float = _flag(0.9, "AdamW beta1")
     beta2: float = _flag(0.95, "AdamW beta2")
-    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, experts), "
-                                    "AdamW at --lr for embedding, head, router and norms (as Trinity trained)")
-    muon_lr: float = _flag(5e-2, "peak Muon LR, on --lr's schedule; a matrix's step is scaled by sqrt(max(1, out/in))")
+    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW "
+                                    "at --lr for the embedding, head, router and norms (as Trinity trained)")
+    muon_lr: float = _flag(5e-2, "peak Muon LR on --lr's schedule, scaled per matrix by sqrt(max(1, fan_out/fan_in))")
     muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
     grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
     seed: int = _flag(0, "seed for initialisation and data order")
@@ -84,19 +82,17 @@ class TrainConfig:
     dp_replicate: int = _flag(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R")
     ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
     ac: str = _flag("none", "activation checkpointing: none | full | selective")
-    keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first micro-batch's forward to the "
-                                       "last backward: one all-gather per step, for the unsharded model's memory")
-    compile: bool | None = _flag(None, "torch.compile each transformer block (default: on with CUDA, off on CPU, "
-                                       "where compiling costs more than it saves)")
+    keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
+                                       "one all-gather per step, not two per micro-batch, for the unsharded memory")
+    compile: bool | None = _flag(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = _flag(10, "log every N steps")
-    log_to: str = _flag("none", "also log metrics.jsonl's scalars to tensorboard (OUT_DIR/tensorboard), wandb, "
-                                "or both: --log_to=tensorboard,wandb")
+    log_to: str = _flag("none", "also log metrics to tensorboard (in OUT_DIR), wandb, or both: tensorboard,wandb")
     wandb_project: str = _flag("nanotitan", "Weights & Biases project, with --log_to=wandb")
-    wandb_mode: str = _flag("auto", "W&B mode: auto (WANDB_MODE if set, else online) | online | offline (no network; "
-                                    "wandb sync uploads later) | disabled")
+    wandb_mode: str = _flag("auto", "W&B mode: auto (WANDB_MODE, else online) | online | offline (wandb sync uploads "
+                                    "later) | disabled")
     eval_every: int = _flag(50, "validate every N steps (and at the end; 0: only at the end)")
     eval_batches: int = _flag(4, "validation batches (of global_batch sequences) per evaluation")
     peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
@@ -106,21 +102,20 @@ class TrainConfig:
     ckpt_minutes: float = _flag(30.0, "also checkpoint when this many minutes have passed since the last one (0: off)")
     keep_ckpts: int = _flag(3, "keep the newest K complete checkpoints of this run")
     async_ckpt: bool = _flag(True, "write checkpoints in the background while training continues")
-    resume: str = _flag("auto", "auto: continue from the newest complete checkpoint in OUT_DIR/checkpoints that "
-                                "loads; none: start fresh; or a checkpoint directory")
-    overwrite: bool = _flag(False, "a run that does not continue OUT_DIR's run deletes that run's checkpoints, "
-                                   "metrics.jsonl and config.json (without it, such a run is refused)")
-    resume_schedule: str = _flag("keep", "when --steps differs from a resumed checkpoint's: keep its LR schedule, "
-                                         "then its final LR | stretch the schedule over --steps")
+    resume: str = _flag("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: start "
+                                "fresh; or a checkpoint directory")
+    overwrite: bool = _flag(False, "a new run deletes OUT_DIR's other run (checkpoints, metrics.jsonl, config.json) "
+                                   "instead of being refused")
+    resume_schedule: str = _flag("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
+                                         "final LR | stretch it over --steps")
     init_from_hf: str = _flag("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    step_timeout: float = _flag(600.0, "watchdog: dump stacks and exit non-zero if no step completes in this many "
-                                       "seconds (0: off); also the collective timeout")
+    step_timeout: float = _flag(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
+                                       "(0: off); also the collective timeout")
     max_bad_steps: int = _flag(5, "stop after this many non-finite (NaN/Inf) steps in a row")
     crash_at_step: int = _flag(-1, "fault drill: the last rank dies after this step (first launch only)")
     stall_at_step: int = _flag(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
     nan_at_step: int = _flag(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
-    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this selection bias on the first "
-                                    "2*top_k experts of every MoE layer")
+    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
         problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_RANGES[f.name][1]}" for f in fields(self)
@@ -764,15 +759,14 @@ class Drills:
     loss tests the non-finite guard, a skewed router the expert balancing."""
 
     def __init__(self, run: Run):
-        self.tc, self.rank, self.last_rank = run.tc, run.rank, run.rank == run.layout.world - 1
-        self.top_k = run.cfg.top_k
+        self.run, self.tc = run, run.tc
         self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def skew_router(self, model):
         """A fresh run's router collapsed onto the first 2*top_k experts of every MoE layer (a resume overwrites it)."""
         if self.tc.skew_router:
             for moe in model.moe_layers():
-                moe.expert_bias[: 2 * self.top_k] += self.tc.skew_router
+                moe.expert_bias[: 2 * self.run.cfg.top_k] += self.tc.skew_router
 
     def before_step(self, step: int) -> bool:
         """Hangs the --stall_at_step step; True if this step's loss is to be NaN."""
@@ -781,8 +775,9 @@ class Drills:
         return step == self.tc.nan_at_step
 
     def after_step(self, step: int):
-        if step + 1 == self.tc.crash_at_step and self.first_launch and self.last_rank:
-            print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+        rank = self.run.rank
+        if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
+            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
 
 
@@ -874,7 +869,8 @@ class Loop:
         bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
         self.run.say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
-                     f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+                     f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
+                     f" | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                      f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
                      f" | eta {eta / 60:.1f}m")
         return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal)
