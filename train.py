@@ -83,13 +83,14 @@ class TrainConfig:
     ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
     ac: str = _flag("none", "activation checkpointing: none | full | selective")
     keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
-                                       "one all-gather per step, not two per micro-batch, for the unsharded memory")
+                                       "one all-gather per step instead of two per micro-batch, for the memory of "
+                                       "the unsharded model")
     compile: bool | None = _flag(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = _flag(10, "log every N steps")
-    log_to: str = _flag("none", "also log metrics to tensorboard (in OUT_DIR), wandb, or both: tensorboard,wandb")
+    log_to: str = _flag("none", "also log metrics to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
     wandb_project: str = _flag("nanotitan", "Weights & Biases project, with --log_to=wandb")
     wandb_mode: str = _flag("auto", "W&B mode: auto (WANDB_MODE, else online) | online | offline (wandb sync uploads "
                                     "later) | disabled")
@@ -619,51 +620,6 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
     return tc
 
 
-class Checkpointer:
-    """Writes the run's checkpoints and says when each is complete and how long it took. A failed write (a full disk)
-    is said in one line and removed, the previous checkpoint stays the newest and the run goes on; the final one's
-    failure is kept in `lost`."""
-
-    def __init__(self, tc: TrainConfig, root: str, train_state, targets: dict, resolved: dict, say):
-        self.tc, self.root, self.train_state, self.targets, self.resolved, self.say = (tc, root, train_state, targets,
-                                                                                       resolved, say)
-        self.pending, self.lost, self.last_time, self.step, self.final = None, None, time.time(), 0, False
-
-    def clock_due(self) -> bool:
-        return bool(self.tc.ckpt_minutes) and time.time() - self.last_time >= 60 * self.tc.ckpt_minutes
-
-    def writing(self) -> bool:
-        return self.pending is not None and not self.pending.done()
-
-    def save(self, step: int, final: bool):
-        self.complete()  # the previous asynchronous write must be complete before the next one starts
-        self.step, self.final, self.last_time = step, final, time.time()
-        try:
-            self.pending = checkpoint.save(self.root, step, {**self.targets, "train": self.train_state(step)},
-                                           self.resolved, keep=self.tc.keep_ckpts, async_save=self.tc.async_ckpt)
-        except checkpoint.SaveFailed as e:
-            return self._failed(e)
-        if not self.tc.async_ckpt:
-            self.complete()
-
-    def complete(self):
-        """Wait for the write in flight, if any, and mark its checkpoint complete."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        try:
-            pending()
-        except checkpoint.SaveFailed as e:
-            return self._failed(e)
-        self.say(f"checkpoint step_{self.step:08d} complete, {time.time() - self.last_time:.1f}s after it began")
-
-    def _failed(self, e: checkpoint.SaveFailed):
-        if self.final:
-            self.lost = e  # nothing follows to go on with: main raises it once the run is wound up
-        else:
-            self.say(f"{e} Training goes on.")
-
-
 # --- the run, stage by stage: setup, build, resume, the loop, finish
 
 def autocast_for(tc: TrainConfig, device: torch.device):
@@ -783,24 +739,25 @@ class Drills:
 
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row."""
+    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row. A checkpoint write that fails
+    (a full disk) is said in one line and the run goes on from the previous one; the final one's failure is raised."""
 
-    def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig,
-                 ckpt: Checkpointer, sinks: MetricsSinks, flops_per_token: float, drills: Drills):
+    def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
+                 sinks: MetricsSinks, flops_per_token: float, drills: Drills):
         self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
-        (self.loader, self.val_loader), self.ckpt, self.sinks, self.drills = loaders, ckpt, sinks, drills
+        (self.loader, self.val_loader), self.resolved, self.sinks, self.drills = loaders, resolved, sinks, drills
         self.flops_per_token, self.peak = flops_per_token, peak_tflops(run.device, run.tc.peak_tflops)
         self.tokens_per_step = run.tc.global_batch * run.tc.seq_len
-        self.guard = Guard(run.tc.step_timeout)
-        self.first_loss = self.val_loss = self.out = None
-        self.t_start = self.t_last = time.time()
-        self.steps_since_log, self.start_step = 0, state.step
+        self.guard, self.ckpt_root = Guard(run.tc.step_timeout), os.path.join(run.tc.out_dir, "checkpoints")
+        self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
+        self.t_start = self.t_last = self.ckpt_time = time.time()
+        self.steps_since_log, self.start_step, self.ckpt_step, self.final = 0, state.step, 0, False
 
     def train(self):
         for step in range(self.start_step, self.run.tc.steps):
             if self.step(step):
                 break
-        self.ckpt.complete()
+        self.complete()
 
     def step(self, step: int) -> bool:
         """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
@@ -815,11 +772,13 @@ class Loop:
         # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write in flight on any
         # rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of the data
         # stream, for metrics.jsonl; float64 keeps integers below 2**53 exact).
+        writing = self.pending is not None and not self.pending.done()
+        clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         preempted, writing, clock_due, tokens_sum = parallel.all_reduce_sum_(torch.tensor(
-            [self.guard.requested, self.ckpt.writing(), run.master and self.ckpt.clock_due(), batch[0].sum().item()],
-            dtype=torch.float64, device=run.device)).tolist()
+            [self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
+            device=run.device)).tolist()
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
-            self.ckpt.complete()  # so a crash loses at most ckpt_every steps
+            self.complete()  # so a crash loses at most ckpt_every steps
         self.loader.step = step + 1
         self.guard.beat(step + 1)
         self.steps_since_log += 1
@@ -837,7 +796,7 @@ class Loop:
             run.say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
         self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
-            self.ckpt.save(step + 1, final=last or preempted)
+            self.save(step + 1, final=last or preempted)
         if preempted:
             run.say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
                     f"{step + 1}; exiting")
@@ -853,8 +812,39 @@ class Loop:
         if state.bad_steps >= self.run.tc.max_bad_steps:
             self.guard.close()
             raise RuntimeError(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; "
-                               f"the last good checkpoint is {checkpoint.latest(self.ckpt.root) or 'none'}; lower --lr "
+                               f"the last good checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr "
                                f"or inspect the data of these steps, then resume")
+
+    def save(self, step: int, final: bool):
+        self.complete()  # the previous asynchronous write must be complete before the next one starts
+        tc, self.ckpt_step, self.final, self.ckpt_time = self.run.tc, step, final, time.time()
+        train = {**self.state.saved(step), "data": self.loader.state_dict(), "run_id": self.resolved["run_id"],
+                 "schedule_steps": self.schedule.steps}
+        try:
+            self.pending = checkpoint.save(self.ckpt_root, step, {"model": self.model, "optim": self.optimizer,
+                                           "train": train}, self.resolved, keep=tc.keep_ckpts, async_save=tc.async_ckpt)
+        except checkpoint.SaveFailed as e:
+            return self.failed(e)
+        if not tc.async_ckpt:
+            self.complete()
+
+    def complete(self):
+        """Wait for the checkpoint write in flight, if any, and mark its checkpoint complete."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending()
+        except checkpoint.SaveFailed as e:
+            return self.failed(e)
+        self.run.say(f"checkpoint step_{self.ckpt_step:08d} complete, "
+                     f"{time.time() - self.ckpt_time:.1f}s after it began")
+
+    def failed(self, e: checkpoint.SaveFailed):
+        if self.final:
+            self.lost = e  # nothing follows to go on with: finish raises it once the run is wound up
+        else:
+            self.run.say(f"{e} Training goes on.")
 
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields."""
@@ -888,8 +878,8 @@ class Loop:
             sample(self.run, self.model, manifest)
         self.guard.close()
         self.sinks.close()
-        if self.ckpt.lost:
-            raise self.ckpt.lost
+        if self.lost:
+            raise self.lost
         return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
                 "step": self.state.step + 1}
 
@@ -927,12 +917,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
     sinks = MetricsSinks(tc, resolved, state.step, run.master)  # config.json; metrics.jsonl cut at the step resumed
-    ckpt = Checkpointer(tc, os.path.join(tc.out_dir, "checkpoints"), lambda step: {
-        **state.saved(step), "data": train_loader.state_dict(), "run_id": resolved["run_id"],
-        "schedule_steps": schedule.steps}, {"model": model, "optim": optimizer}, resolved, say)
-
-    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, ckpt,
-                sinks, flops, drills)
+    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, sinks, flops, drills)
     loop.train()
     return loop.finish(manifest)
 
