@@ -485,9 +485,10 @@ class MetricsSinks:
                 f.write(self.wandb.id)
 
     def write(self, record: dict):
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
         scalars = {}
         for key, value in record.items():
             if isinstance(value, list):
