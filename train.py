@@ -7,14 +7,10 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
     python train.py --config=out/config.json --lr=1e-3    # a run's saved config (or TOML), flags over it
     python train.py --help
 
-Each optimizer step: the rank's slice of the global batch, split into micro-batches with gradient accumulation,
-gradient clipping over the whole model, one optimizer step, then one expert-bias update from the tokens-per-expert
-counts of the whole global batch. Logs go to the console, to OUT_DIR/metrics.jsonl and, with
---log_to=tensorboard,wandb, to TensorBoard and Weights & Biases.
-
-Under `torchrun --max-restarts=N`, a job whose rank dies restarts and resumes from the newest complete checkpoint by
-itself (--resume=auto). A new run refuses an OUT_DIR that holds another run unless told to continue it (--resume=auto)
-or replace it (--overwrite).
+Each optimizer step: the rank's slice of the global batch in micro-batches with gradient accumulation, global gradient
+clipping, one optimizer step, then one expert-bias update from the whole global batch's tokens-per-expert counts.
+Logs go to the console, OUT_DIR/metrics.jsonl and, with --log_to=tensorboard,wandb, TensorBoard and W&B.
+Under `torchrun --max-restarts=N` a job whose rank dies restarts and resumes from its newest complete checkpoint.
 """
 
 import argparse
@@ -51,33 +47,27 @@ def _flag(default, help: str):
 @dataclass
 class TrainConfig:
     # model and data
-    preset: str = _flag("tiny", f"model preset: {', '.join(PRESETS)}; any ModelConfig field can be overridden too, "
-                                f"e.g. --n_layers=8")
-    data: str = _flag(data.DEFAULT_DATA_DIR, "prepared data directory (python data.py); the default corpus is "
-                                             "prepared automatically when absent")
-    tokenizer: str = _flag("cl100k_base", "tiktoken encoding or Hugging Face tokenizer folder the data was prepared "
-                                          "with (python data.py --tokenizer); sizes the vocabulary")
+    preset: str = _flag("tiny", f"model preset: {', '.join(PRESETS)}; ModelConfig fields are flags too (--n_layers=8)")
+    data: str = _flag(data.DEFAULT_DATA_DIR, "python data.py's output; the default corpus is prepared when absent")
+    tokenizer: str = _flag("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
+                                          "folder; sizes the vocabulary")
     seq_len: int = _flag(128, "tokens per sequence")
     doc_mask: bool = _flag(True, "intra-document attention masking (a token sees only its own document)")
     # batch and schedule
     steps: int = _flag(150, "optimizer steps")
     global_batch: int = _flag(8, "sequences per optimizer step, whatever the number of ranks")
-    micro_batch: int = _flag(0, "sequences per rank per forward; accumulation steps are derived (0: global_batch / "
-                                "world size, no accumulation)")
+    micro_batch: int = _flag(0, "sequences per rank per forward, accumulated (0: global_batch / world size: none)")
     lr: float = _flag(5e-3, "peak learning rate")
     min_lr_ratio: float = _flag(0.1, "final LR as a fraction of the peak")
     warmup_steps: int = _flag(20, "linear warmup steps")
-    decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then linear over the "
-                                 "last --wsd_decay_frac of steps)")
-    wsd_decay_frac: float = _flag(0.2, "fraction of steps spent decaying with --decay=wsd")
+    decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then a linear decay)")
+    wsd_decay_frac: float = _flag(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd")
     weight_decay: float = _flag(0.1, "AdamW weight decay on matrices (not norms or biases)")
     beta1: float = _flag(0.9, "AdamW beta1")
     beta2: float = _flag(0.95, "AdamW beta2")
-    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, shared and "
-                                    "routed experts) and AdamW at --lr for the embedding, head, router and norms "
-                                    "(as Trinity trained)")
-    muon_lr: float = _flag(5e-2, "peak LR of the Muon matrices, on --lr's schedule; each matrix's step is scaled "
-                                 "by sqrt(max(1, fan_out/fan_in))")
+    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW "
+                                    "at --lr for the embedding, head, router and norms (as Trinity trained)")
+    muon_lr: float = _flag(5e-2, "peak Muon LR on --lr's schedule, scaled per matrix by sqrt(max(1, fan_out/fan_in))")
     muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
     grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
     seed: int = _flag(0, "seed for initialisation and data order")
@@ -92,20 +82,18 @@ class TrainConfig:
     dp_replicate: int = _flag(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R")
     ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
     ac: str = _flag("none", "activation checkpointing: none | full | selective")
-    keep_gathered: bool = _flag(False, "FSDP keeps every unit's parameters gathered from the first micro-batch's "
-                                       "forward to the last one's backward: one all-gather per step instead of two "
-                                       "per micro-batch, for the memory of the unsharded model in compute dtype")
-    compile: bool | None = _flag(None, "torch.compile each transformer block (default: on with CUDA, where it is "
-                                       "faster, off on CPU, where compiling costs more than it saves)")
+    keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
+                                       "one all-gather per step instead of two per micro-batch, for the memory of "
+                                       "the unsharded model")
+    compile: bool | None = _flag(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
     out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = _flag(10, "log every N steps")
-    log_to: str = _flag("none", "also log metrics.jsonl's scalars to tensorboard (OUT_DIR/tensorboard), wandb, "
-                                "or both: --log_to=tensorboard,wandb")
+    log_to: str = _flag("none", "also log metrics to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
     wandb_project: str = _flag("nanotitan", "Weights & Biases project, with --log_to=wandb")
-    wandb_mode: str = _flag("auto", "Weights & Biases mode: auto (WANDB_MODE if set, else online) | online | "
-                                    "offline (no network; wandb sync uploads later) | disabled")
+    wandb_mode: str = _flag("auto", "W&B mode: auto (WANDB_MODE, else online) | online | offline (wandb sync uploads "
+                                    "later) | disabled")
     eval_every: int = _flag(50, "validate every N steps (and at the end; 0: only at the end)")
     eval_batches: int = _flag(4, "validation batches (of global_batch sequences) per evaluation")
     peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
@@ -115,61 +103,45 @@ class TrainConfig:
     ckpt_minutes: float = _flag(30.0, "also checkpoint when this many minutes have passed since the last one (0: off)")
     keep_ckpts: int = _flag(3, "keep the newest K complete checkpoints of this run")
     async_ckpt: bool = _flag(True, "write checkpoints in the background while training continues")
-    resume: str = _flag("auto", "auto: continue from the newest complete checkpoint in OUT_DIR/checkpoints that "
-                                "loads; none: start fresh; or a checkpoint directory")
-    overwrite: bool = _flag(False, "a run that does not continue OUT_DIR's run deletes that run's checkpoints, "
-                                   "metrics.jsonl and config.json (without it, such a run is refused)")
-    resume_schedule: str = _flag("keep", "when --steps differs from the steps a resumed checkpoint's LR schedule was "
-                                         "laid over: keep (that schedule, then its final LR) | stretch (lay the "
-                                         "schedule again over --steps)")
+    resume: str = _flag("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: start "
+                                "fresh; or a checkpoint directory")
+    overwrite: bool = _flag(False, "a new run deletes OUT_DIR's other run (checkpoints, metrics.jsonl, config.json) "
+                                   "instead of being refused")
+    resume_schedule: str = _flag("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
+                                         "final LR | stretch it over --steps")
     init_from_hf: str = _flag("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    step_timeout: float = _flag(600.0, "watchdog: dump stacks and exit non-zero if no step completes in this many "
-                                       "seconds (0: off); also the collective timeout")
+    step_timeout: float = _flag(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
+                                       "(0: off); also the collective timeout")
     max_bad_steps: int = _flag(5, "stop after this many non-finite (NaN/Inf) steps in a row")
     crash_at_step: int = _flag(-1, "fault drill: the last rank dies after this step (first launch only)")
     stall_at_step: int = _flag(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
     nan_at_step: int = _flag(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
-    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this selection bias on the first "
-                                    "2*top_k experts of every MoE layer, a router collapsed onto a few experts")
+    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
-        problems = [f"--{name}={getattr(self, name)} must be {requirement}"
-                    for name, ok, requirement in FLAG_RANGES if not ok(getattr(self, name))]
+        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_RANGES[f.name][1]}" for f in fields(self)
+                    if f.name in FLAG_RANGES and not FLAG_RANGES[f.name][0](getattr(self, f.name))]
         if problems:
             raise ValueError("; ".join(problems) + ".")
 
 
-# The numeric flags' valid ranges, checked when a TrainConfig is made (a value outside fails with one sentence
-# each, before anything runs). Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
-FLAG_RANGES = [
-    ("steps", lambda v: v >= 1, "at least 1"),
-    ("lr", lambda v: v >= 0, "0 or more"),
+# The numeric flags' valid ranges, checked when a TrainConfig is made (one sentence each, before anything runs).
+# Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
+FLAG_RANGES = {name: (ok, requirement) for names, ok, requirement in [
+    ("steps log_every eval_batches keep_ckpts max_bad_steps", lambda v: v >= 1, "at least 1"),
+    ("lr warmup_steps weight_decay muon_lr smebu_lambda sign_gamma", lambda v: v >= 0, "0 or more"),
     ("min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1"),
-    ("warmup_steps", lambda v: v >= 0, "0 or more"),
     ("wsd_decay_frac", lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    ("weight_decay", lambda v: v >= 0, "0 or more"),
-    ("beta1", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-    ("beta2", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-    ("muon_lr", lambda v: v >= 0, "0 or more"),
-    ("muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-    ("grad_clip", lambda v: v >= 0, "0 (no clipping) or more"),
-    ("smebu_lambda", lambda v: v >= 0, "0 or more"),
-    ("smebu_beta", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    ("beta1 beta2 muon_momentum smebu_beta", lambda v: 0 <= v < 1, "at least 0 and below 1"),
     ("smebu_kappa", lambda v: v > 0, "above 0"),
-    ("sign_gamma", lambda v: v >= 0, "0 or more"),
     ("bias_freeze_step", lambda v: v >= -1, "-1 (never) or a step number"),
-    ("log_every", lambda v: v >= 1, "at least 1"),
+    ("grad_clip", lambda v: v >= 0, "0 (no clipping) or more"),
     ("eval_every", lambda v: v >= 0, "0 (only at the end) or more"),
-    ("eval_batches", lambda v: v >= 1, "at least 1"),
     ("peak_tflops", lambda v: v >= 0, "0 (from the device table) or more"),
     ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
     ("micro_batch", lambda v: v >= 0, "0 (global_batch / world size) or more"),
     ("ckpt_every", lambda v: v >= 0, "0 (only by time, at the end and on preemption) or more"),
-    ("ckpt_minutes", lambda v: v >= 0, "0 (off) or more"),
-    ("keep_ckpts", lambda v: v >= 1, "at least 1"),
-    ("step_timeout", lambda v: v >= 0, "0 (off) or more"),
-    ("max_bad_steps", lambda v: v >= 1, "at least 1"),
-]
+    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more")] for name in names.split()}
 
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
@@ -178,73 +150,66 @@ MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
 
 
 def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 # Names other trainers (nanoGPT, torchtitan, Hugging Face) give to this file's flags, for "did you mean".
-OTHER_NAMES = {"learning_rate": "lr", "max_iters": "steps", "max_steps": "steps", "lr_decay_iters": "steps",
-               "training.steps": "steps", "num_train_steps": "steps", "batch_size": "global_batch",
-               "global_batch_size": "global_batch", "training.global_batch_size": "global_batch",
-               "local_batch_size": "micro_batch", "training.local_batch_size": "micro_batch",
-               "micro_batch_size": "micro_batch", "per_device_train_batch_size": "micro_batch",
-               "gradient_accumulation_steps": "micro_batch", "block_size": "seq_len", "training.seq_len": "seq_len",
-               "warmup_iters": "warmup_steps", "lr_scheduler.warmup_steps": "warmup_steps", "min_lr": "min_lr_ratio",
-               "eval_interval": "eval_every", "eval_iters": "eval_batches", "log_interval": "log_every",
-               "metrics.log_freq": "log_every", "grad_clip_norm": "grad_clip", "max_norm": "grad_clip",
-               "training.max_norm": "grad_clip", "checkpoint.interval": "ckpt_every", "save_steps": "ckpt_every",
-               "checkpoint.keep_latest_k": "keep_ckpts", "init_from": "resume", "dataset": "data",
-               "data_dir": "data", "output_dir": "out_dir", "job.dump_folder": "out_dir", "n_layer": "n_layers",
-               "n_head": "n_heads", "n_embd": "dim", "training.compile": "compile",
-               "parallelism.expert_parallel_degree": "ep", "parallelism.data_parallel_replicate_degree":
-               "dp_replicate", "activation_checkpoint.mode": "ac", "optimizer.lr": "lr", "optimizer.name": "optimizer"}
+OTHER_NAMES = {other: ours for ours, others in {
+    "lr": "learning_rate optimizer.lr", "steps": "max_iters max_steps lr_decay_iters training.steps num_train_steps",
+    "global_batch": "batch_size global_batch_size training.global_batch_size",
+    "micro_batch": "local_batch_size training.local_batch_size micro_batch_size per_device_train_batch_size "
+                   "gradient_accumulation_steps",
+    "seq_len": "block_size training.seq_len", "warmup_steps": "warmup_iters lr_scheduler.warmup_steps",
+    "min_lr_ratio": "min_lr", "eval_every": "eval_interval", "eval_batches": "eval_iters",
+    "log_every": "log_interval metrics.log_freq", "grad_clip": "grad_clip_norm max_norm training.max_norm",
+    "ckpt_every": "checkpoint.interval save_steps", "keep_ckpts": "checkpoint.keep_latest_k", "resume": "init_from",
+    "data": "dataset data_dir", "out_dir": "output_dir job.dump_folder", "n_layers": "n_layer", "n_heads": "n_head",
+    "dim": "n_embd", "compile": "training.compile", "ep": "parallelism.expert_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree", "ac": "activation_checkpoint.mode",
+    "optimizer": "optimizer.name"}.items() for other in others.split()}
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
+        """An unknown flag names the closest valid one, or ours for another trainer's name (OTHER_NAMES)."""
         flags = [a for action in self._actions for a in action.option_strings]
-        for word in ([] if message.startswith("argument ") else message.replace(",", " ").split()):
-            if word.startswith("--") and word.split("=")[0] not in flags:
-                other = OTHER_NAMES.get(word.split("=")[0][2:].replace("-", "_"))
-                close = [f"--{other}"] if other else difflib.get_close_matches(word.split("=")[0], flags, n=1,
-                                                                               cutoff=0.5)
-                if close:
-                    message = f"unknown flag {word.split('=')[0]}; did you mean {close[0]}?"
-                    break
+        words = [] if message.startswith("argument ") else message.replace(",", " ").split()
+        for flag in (word.split("=")[0] for word in words if word.startswith("--")):
+            other = OTHER_NAMES.get(flag[2:].replace("-", "_"))
+            close = [f"--{other}"] if other else difflib.get_close_matches(flag, flags, n=1, cutoff=0.5)
+            if flag not in flags and close:
+                message = f"unknown flag {flag}; did you mean {close[0]}?"
+                break
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """Returns the TrainConfig and the model-field overrides, from the command line and a --config file under it
-    (precedence: defaults < preset < config file < command line)."""
+    """The TrainConfig and the model-field overrides (precedence: defaults < preset < --config file < command line)."""
     parser = _Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
                                                       "with [train] and [model] tables; flags given here override it")
+    model_group = parser.add_argument_group("model overrides (default: the preset's value)")
     kinds = {}  # "train.lr" / "model.n_layers": the function that parses the flag's text
-    for f in fields(TrainConfig):
-        kinds[f"train.{f.name}"] = kind = _parse_bool if f.type in (bool, bool | None) else type(f.default)
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"],
-                            **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
-    group = parser.add_argument_group("model overrides (default: the preset's value)")
-    for f in MODEL_FIELDS.values():
-        kinds[f"model.{f.name}"] = kind = _parse_bool if f.type is bool or f.type == "bool" else type(f.default)
-        group.add_argument(f"--{f.name}", type=kind, default=None, help=f"ModelConfig.{f.name}",
-                           **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
-    config_path = parser.parse_known_args(argv)[0].config
-    if config_path:
-        try:  # the file's values become the defaults, so that flags on the command line win
-            parser.set_defaults(**read_config(config_path, kinds))
-        except ValueError as e:
-            parser.error(str(e))
-    args = vars(parser.parse_args(argv))
-    args.pop("config")
-    overrides = {k: args.pop(k) for k in MODEL_FIELDS if args.get(k) is not None}
+    for table, group, flags in (("train", parser, fields(TrainConfig)), ("model", model_group, MODEL_FIELDS.values())):
+        for f in flags:
+            kinds[f"{table}.{f.name}"] = kind = (_parse_bool if f.type in (bool, bool | None) or f.type == "bool"
+                                                 else type(f.default))
+            group.add_argument(f"--{f.name}", type=kind, default=f.default if table == "train" else None,
+                               help=f.metadata.get("help", f"ModelConfig.{f.name}"),
+                               **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
     try:
-        tc = TrainConfig(**{k: v for k, v in args.items() if k in {f.name for f in fields(TrainConfig)}})
+        config_path = parser.parse_known_args(argv)[0].config
+        if config_path:  # the file's values become the defaults, so that flags on the command line win
+            parser.set_defaults(**read_config(config_path, kinds))
+    except ValueError as e:
+        parser.error(str(e))
+    args = vars(parser.parse_args(argv))
+    overrides = {k: args[k] for k in MODEL_FIELDS if args[k] is not None}
+    try:
+        tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig)})
         log_sinks(tc.log_to)  # a sink without its package is refused here, before any data or model is touched
     except ValueError as e:  # a numeric flag out of range (FLAG_RANGES), or --log_to
         parser.error(str(e))
@@ -261,17 +226,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
 
 
 def with_batch_defaults(tc: TrainConfig, world: int) -> TrainConfig:
-    """--micro_batch=0: each rank's whole share of the global batch in one forward (no accumulation), so the default
-    batch works on any world size that divides it."""
+    """--micro_batch=0: each rank's whole share of the global batch in one forward (no accumulation)."""
     return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
 
 
 def read_config(path: str, kinds: dict) -> dict:
-    """The flag values a config file sets, parsed as the command line parses them. The file is a run's config.json
-    ({"train": ..., "model": ...} and facts of that run: world size, tokenizer, run id, which are not read) or TOML
-    (.toml) with the same [train] and [model] tables. A config.json's model table is the model the run built,
-    vocab_size and max_seq_len included, so replaying it builds that model again whatever the preset now says.
-    Raises ValueError, one sentence, for a missing or unreadable file, an unknown key or a value of the wrong type."""
+    """The flag values a config file sets, parsed as the command line parses them: a run's config.json, whose model
+    table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML (.toml) with the
+    same [train] and [model] tables. ValueError, one sentence, for an unreadable file, unknown key or mistyped value."""
     toml = path.endswith(".toml")
     try:
         with open(path, "rb") as f:
@@ -284,20 +246,18 @@ def read_config(path: str, kinds: dict) -> dict:
         raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
     if not isinstance(raw, dict):
         raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected train and model tables.")
-    entries = {}  # "train.lr": 0.01, ...
+    entries = {}  # "train.lr": 0.01, ...; world_size, tokenizer and run_id are facts of the run that wrote it
     for key, value in raw.items():
         if key in ("train", "model") and isinstance(value, dict):
             entries.update({f"{key}.{k}": v for k, v in value.items()})
-        elif key not in ("world_size", "tokenizer", "run_id"):  # facts of the run that wrote it, not flags
+        elif key not in ("world_size", "tokenizer", "run_id"):
             entries[key] = value
-    values = {}
+    by_name, values = {k.split(".")[1]: k for k in kinds}, {}
     for key, value in entries.items():
         if key not in kinds:
-            by_name = {k.split(".")[1]: k for k in kinds}
             close = difflib.get_close_matches(key.split(".")[-1], list(by_name), n=1, cutoff=0.5)
-            raise ValueError(f"--config={path} has an unknown key {key}; "
-                             + (f"did you mean {by_name[close[0]]}?" if close else
-                                "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
+            raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {by_name[close[0]]}?"
+                             if close else "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
         try:
             if not isinstance(value, (str, int, float)):
                 raise ValueError
@@ -310,9 +270,8 @@ def read_config(path: str, kinds: dict) -> dict:
 
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
     """The preset, sized to the tokenizer's vocabulary (padded to a multiple of 128), then the user's overrides."""
-    preset = PRESETS[tc.preset]
-    cfg = dataclasses.replace(preset, **{"vocab_size": pad_vocab(vocab_size), "max_seq_len": max(tc.seq_len, 1),
-                                         **overrides})
+    cfg = dataclasses.replace(PRESETS[tc.preset], **{"vocab_size": pad_vocab(vocab_size),
+                                                     "max_seq_len": max(tc.seq_len, 1), **overrides})
     if cfg.max_seq_len < tc.seq_len:
         raise ValueError(f"--max_seq_len={cfg.max_seq_len} is below --seq_len={tc.seq_len}: the model would train on "
                          f"positions its exported config says it does not have; raise it or leave it unset.")
@@ -335,81 +294,52 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def lr_schedule(tc: TrainConfig, schedule_steps: int, say) -> TrainConfig:
-    """The config whose LR schedule a resumed run follows (lr_at(min(step, steps - 1), ...)), said when --steps
-    differs from the steps the checkpoint's schedule was laid over: keep that schedule and hold its final LR past its
-    end, or stretch it over the new --steps (the LR jumps onto the new curve)."""
-    if schedule_steps == tc.steps:
-        return tc
-    kept = dataclasses.replace(tc, steps=schedule_steps)
-    if tc.resume_schedule == "keep":
-        say(f"LR schedule: the checkpoint's, laid over {schedule_steps} steps, then its final LR "
-            f"{lr_at(schedule_steps - 1, kept):.2e} (--resume_schedule=keep; stretch lays it over --steps={tc.steps})")
-        return kept
-    say(f"LR schedule: laid again over --steps={tc.steps}, not the checkpoint's {schedule_steps} steps "
-        f"(--resume_schedule=stretch; keep holds the checkpoint's)")
-    return tc
-
-
 # Dense bf16 peaks in TFLOP/s, for MFU (unknown devices report n/a). B300's gains are in FP4, not bf16.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0, "A100": 312.0}
 
 
 def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
-    if override:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if override or device.type != "cuda":
+        return override or None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
 
 
 def state_copies(tc: TrainConfig) -> int:
-    """fp32 copies of the weights that training keeps at least: the weights, their gradients and the optimizer's
-    moments (AdamW two; Muon one for the hidden matrices, which are nearly all of them)."""
+    """fp32 copies of the weights training keeps at least: weights, gradients and the optimizer's moments (AdamW two;
+    Muon one for the hidden matrices, which are nearly all of them)."""
     return 4 if tc.optimizer == "adamw" else 3
-
-
-def moe_layers(model) -> list:
-    return model.moe_layers()
-
-
-@torch.no_grad()
-def evaluate(model, loader, n_batches: int, micro_batch: int, autocast) -> float:
-    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks."""
-    model.eval()
-    total, count = torch.zeros((), device=loader_device(model)), 0
-    for tokens_BT, targets_BT, doc_ids_BT in loader.val_batches(n_batches):
-        for i in range(0, tokens_BT.shape[0], micro_batch):
-            tok, tgt, doc = (t[i:i + micro_batch].to(total.device) for t in (tokens_BT, targets_BT, doc_ids_BT))
-            with autocast:
-                loss = model(tok, targets_BT=tgt, doc_ids_BT=doc)
-            total += loss.float()
-            count += 1
-    model.train()
-    return parallel.all_reduce_sum_(total / max(count, 1)).item() / world_size()
-
-
-def loader_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@torch.no_grad()
+def evaluate(model, loader, n_batches: int, micro_batch: int, autocast) -> float:
+    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks."""
+    model.eval()
+    total, count = torch.zeros((), device=next(model.parameters()).device), 0
+    for batch in loader.val_batches(n_batches):
+        for i in range(0, batch[0].shape[0], micro_batch):
+            tokens_BT, targets_BT, doc_ids_BT = (t[i:i + micro_batch].to(total.device) for t in batch)
+            with autocast:
+                total += model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT).float()
+            count += 1
+    model.train()
+    return parallel.all_reduce_sum_(total / max(count, 1)).item() / world_size()
+
+
 # --- one optimizer step: the piece bench.py times as well
 
 def phase(name: str):
-    """A profiler range `train_step::name` around one phase of the step, which bench.py reads from its profile; without
-    a running profiler it costs a few microseconds."""
+    """A profiler range `train_step::name` around one phase of the step (bench.py reads them from its profile)."""
     return torch.profiler.record_function("train_step::" + name)
 
 
 @dataclass
 class TrainState:
-    """What the loop carries from step to step besides the model and optimizer: the step, each MoE layer's
-    balancing momentum [L, E], and the non-finite steps skipped (in all, and in a row)."""
+    """What the loop carries from step to step besides model and optimizer: the step, each MoE layer's balancing
+    momentum [L, E], and the non-finite steps skipped (in all, and in a row)."""
     step: int
     momentum: torch.Tensor
     skipped: int = 0
@@ -417,10 +347,10 @@ class TrainState:
 
     @classmethod
     def fresh(cls, model, device: torch.device) -> "TrainState":
-        return cls(0, torch.zeros(len(moe_layers(model)), model.cfg.n_experts, device=device))
+        return cls(0, torch.zeros(len(model.moe_layers()), model.cfg.n_experts, device=device))
 
     def saved(self, step: int) -> dict:
-        """The checkpoint's train-state keys, as every checkpoint has stored them (momentum on the CPU)."""
+        """The checkpoint's train-state keys (momentum on the CPU)."""
         return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu()}
 
     def load(self, saved: dict):
@@ -429,14 +359,13 @@ class TrainState:
 
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, poison: bool = False) -> dict:
-    """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias
-    update. `state` holds the balancing momentum [L, E] and the bad-step counters. Returns metrics
-    (losses averaged over the global batch, global tokens-per-expert counts)."""
-    device = loader_device(model)
+    """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update.
+    Returns metrics: losses averaged over the global batch, the global tokens-per-expert counts [L, E]."""
+    device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
     n_micro = tokens_BT.shape[0] // tc.micro_batch
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     counts_LE = torch.zeros(len(layers), model.cfg.n_experts, device=device)
     losses = torch.zeros(3, device=device)  # lm, aux, z
     if tc.keep_gathered and hasattr(model, "set_reshard_after_forward"):
@@ -444,8 +373,8 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
     for i in range(n_micro):
         rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
         if hasattr(model, "set_requires_all_reduce"):
-            # FSDP reduce-scatters every micro-batch (holding unsharded gradients across micro-batches would cost
-            # a full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
+            # FSDP reduce-scatters every micro-batch (unsharded gradients held across micro-batches would cost a
+            # full model of fp32 gradients per GPU) and all-reduces across HSDP replicas on the last one only.
             model.set_requires_all_reduce(i == n_micro - 1)
             if tc.keep_gathered:  # the optimizer updates the shards: the last micro-batch frees the gathered copies
                 model.set_reshard_after_backward(i == n_micro - 1)
@@ -458,8 +387,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
             ((lm_loss + router.balance_loss) / n_micro).backward()
         counts_LE += router.counts_LE
         losses += torch.stack([lm_loss.detach().float(), router.aux_loss.detach(), router.z_loss.detach()]) / n_micro
-    # The global batch: counts summed over ranks, losses averaged.
-    with phase("all-reduce counts, losses"):
+    with phase("all-reduce counts, losses"):  # the global batch: counts summed over ranks, losses averaged
         parallel.all_reduce_sum_(counts_LE)
         parallel.all_reduce_sum_(losses)
     losses /= world_size()
@@ -500,9 +428,8 @@ LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing. Asks
-    only whether the package is there (find_spec), so the check costs nothing before a run starts. Not --log: torchrun
-    would take that for an abbreviation of its own --log-dir and --logs-specs."""
+    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing (asked
+    of find_spec, which costs nothing). Not --log: torchrun would take it for an abbreviation of its --log-dir."""
     names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
     for name in names:
         if name not in LOG_SINKS:
@@ -515,17 +442,33 @@ def log_sinks(log_to: str) -> list[str]:
     return names
 
 
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a record cut short by a crash
+        return math.inf
+
+
 class MetricsSinks:
-    """Every record written to metrics.jsonl goes to the --log_to sinks too, at its step: each number under its key
-    (None, e.g. MFU on an unknown device, is left out), each per-MoE-layer list as KEY/00, KEY/01, ... A restarted run
-    continues where the first one logged: TensorBoard in the same OUT_DIR/tensorboard, hiding the events the dead
-    launch wrote for the steps this one repeats (those after its checkpoint: purge_step), and W&B in the same run,
-    whose id is kept in OUT_DIR/wandb_run_id (online, W&B drops a step below the run's last, since its steps must
-    increase; offline, each launch's file holds the steps it ran). On ranks other than 0 every call does nothing."""
+    """The run's records, written by rank 0 (elsewhere every call does nothing): OUT_DIR/metrics.jsonl, and the
+    --log_to sinks at each record's step, numbers under their keys (None left out), per-MoE-layer lists as KEY/00, ...
+    A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead
+    launch's events past it (purge_step) and W&B continues the same run (its id kept in OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
-        names = log_sinks(tc.log_to) if master else []
+        self.path = os.path.join(tc.out_dir, "metrics.jsonl") if master else None
+        if not master:
+            return
+        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
+            json.dump(resolved, f, indent=1)
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if _logged_step(line) <= start_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        names = log_sinks(tc.log_to)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(os.path.join(tc.out_dir, "tensorboard"), purge_step=start_step + 1)
@@ -542,6 +485,10 @@ class MetricsSinks:
                 f.write(self.wandb.id)
 
     def write(self, record: dict):
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
         scalars = {}
         for key, value in record.items():
             if isinstance(value, list):
@@ -566,48 +513,26 @@ class MetricsSinks:
 
 # --- fault tolerance: preemption signals and a hang watchdog
 
-class Preemption:
-    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set a flag; the loop finishes the
-    step in flight, every rank agrees (one all-reduce), writes a checkpoint and exits 0. A second Ctrl-C stops at
-    once."""
+class Guard:
+    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
+    step in flight, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`,
+    the watchdog dumps every thread's stack and exits 3, so torchrun restarts the job from the newest checkpoint."""
 
-    def __init__(self):
-        self.requested, self.interrupted = False, False
-        self.previous = {sig: signal.signal(sig, self._handle)
+    def __init__(self, timeout_s: float):
+        self.requested = self.interrupted = False
+        self.previous = {sig: signal.signal(sig, self._signal)
                          for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        self.timeout_s, self.last_beat, self.step, self.stopped = timeout_s, time.time(), 0, threading.Event()
+        if timeout_s > 0:
+            threading.Thread(target=self._watch, daemon=True).start()
 
-    def _handle(self, signum, frame):
+    def _signal(self, signum, frame):
         if signum == signal.SIGINT and self.interrupted:
             raise KeyboardInterrupt
         self.requested, self.interrupted = True, self.interrupted or signum == signal.SIGINT
 
-    def close(self):
-        """Give the signals back to their previous handlers (train.main may run inside another program)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def global_sums(device, *values: float) -> list[float]:
-    """Each value summed over all ranks, in one all-reduce (float64: integers below 2**53 stay exact)."""
-    return parallel.all_reduce_sum_(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
-
-
-class Watchdog:
-    """If no step completes within `timeout_s`, dump every thread's stack to stderr and exit non-zero, so torchrun
-    restarts the job from the newest checkpoint (the Trinity team alerted after 3 minutes without a step)."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s, self.last_beat, self.step = timeout_s, time.time(), 0
-        self.stopped = threading.Event()
-        if timeout_s > 0:
-            threading.Thread(target=self._watch, daemon=True).start()
-
     def beat(self, step: int):
         self.last_beat, self.step = time.time(), step
-
-    def stop(self):
-        """The run is over: a program that called train.main goes on without a timer that would kill it."""
-        self.stopped.set()
 
     def _watch(self):
         while not self.stopped.wait(min(5.0, self.timeout_s / 4)):
@@ -618,6 +543,12 @@ class Watchdog:
                 sys.stderr.flush()
                 os._exit(3)
 
+    def close(self):
+        """Stop the watchdog and give the signals back: train.main may run inside another program."""
+        self.stopped.set()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
 
 # --- the run's output directory: one run per OUT_DIR, checked before anything heavy
 
@@ -625,10 +556,9 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json")
 
 
 def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
-    """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another
-    run there: only --resume=auto or a checkpoint of OUT_DIR's own continues it, --overwrite replaces it (rank 0
-    deletes its files). A job torchrun restarted continues what its first attempt wrote (--resume=auto). Returns
-    the config and what to resume from: a checkpoint, OUT_DIR's checkpoint root (auto), or None (fresh)."""
+    """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another run
+    there: --resume=auto or one of its checkpoints continues it, --overwrite replaces it, a job torchrun restarted
+    continues its first attempt. Returns the config and what to resume from (a checkpoint, the root, or None)."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -660,9 +590,9 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: TrainState,
            resolved: dict, say) -> TrainConfig:
-    """Load the checkpoint to continue from into the model, optimizer, loader and `state` (--resume=auto: the
-    newest under OUT_DIR that loads), and set the run's id in `resolved` (the checkpoint's, or a new one: a run
-    prunes only its own checkpoints). Returns the config whose LR schedule the run follows (lr_schedule)."""
+    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
+    optimizer, loader and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
+    checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
     targets = {"model": model, "optim": optimizer}
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
@@ -678,73 +608,17 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
     loader.load_state_dict(saved["data"])
     resolved["run_id"] = saved.get("run_id")
     say(f"resumed from {resume_from} at step {state.step}")
-    return lr_schedule(tc, saved.get("schedule_steps", tc.steps), say)
-
-
-def start_run_files(out_dir: str, resolved: dict, step: int):
-    """Rank 0, once the run is sure to train: config.json, and metrics.jsonl cut after `step`, where the run goes on
-    (a resumed run logs the later steps again, and a record cut short by a crash is dropped)."""
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(resolved, f, indent=1)
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if _logged_step(line) <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def _logged_step(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-class Checkpointer:
-    """Writes the run's checkpoints (every --ckpt_every steps or --ckpt_minutes, at the end, on preemption) and says
-    when each is complete and how long it took. A write that fails (a full disk) is said in one line and removed,
-    the previous checkpoint stays the newest, and the run goes on; the final one's failure is kept in `lost`."""
-
-    def __init__(self, tc: TrainConfig, root: str, train_state, targets: dict, resolved: dict, say):
-        self.tc, self.root, self.train_state, self.targets, self.resolved, self.say = (tc, root, train_state, targets,
-                                                                                       resolved, say)
-        self.pending, self.lost, self.last_time, self.step, self.final = None, None, time.time(), 0, False
-
-    def clock_due(self) -> bool:
-        return bool(self.tc.ckpt_minutes) and time.time() - self.last_time >= 60 * self.tc.ckpt_minutes
-
-    def writing(self) -> bool:
-        return self.pending is not None and not self.pending.done()
-
-    def save(self, step: int, final: bool):
-        self.complete()  # the previous asynchronous write must be complete before the next one starts
-        self.step, self.final, self.last_time = step, final, time.time()
-        try:
-            self.pending = checkpoint.save(self.root, step, {**self.targets, "train": self.train_state(step)},
-                                           self.resolved, keep=self.tc.keep_ckpts, async_save=self.tc.async_ckpt)
-        except checkpoint.SaveFailed as e:
-            return self._failed(e)
-        if not self.tc.async_ckpt:
-            self.complete()
-
-    def complete(self):
-        """Wait for the write in flight, if any, and mark its checkpoint complete."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        try:
-            pending()
-        except checkpoint.SaveFailed as e:
-            return self._failed(e)
-        self.say(f"checkpoint step_{self.step:08d} complete, {time.time() - self.last_time:.1f}s after it began")
-
-    def _failed(self, e: checkpoint.SaveFailed):
-        if self.final:
-            self.lost = e  # nothing follows to go on with: main raises it once the run is wound up
-        else:
-            self.say(f"{e} Training goes on.")
+    schedule_steps = saved.get("schedule_steps", tc.steps)
+    if schedule_steps == tc.steps:
+        return tc
+    kept = dataclasses.replace(tc, steps=schedule_steps)  # keep: that schedule, then its final LR; stretch: a jump
+    if tc.resume_schedule == "keep":
+        say(f"LR schedule: the checkpoint's, laid over {schedule_steps} steps, then its final LR "
+            f"{lr_at(schedule_steps - 1, kept):.2e} (--resume_schedule=keep; stretch lays it over --steps={tc.steps})")
+        return kept
+    say(f"LR schedule: laid again over --steps={tc.steps}, not the checkpoint's {schedule_steps} steps "
+        f"(--resume_schedule=stretch; keep holds the checkpoint's)")
+    return tc
 
 
 # --- the run, stage by stage: setup, build, resume, the loop, finish
@@ -755,14 +629,10 @@ def autocast_for(tc: TrainConfig, device: torch.device):
     return (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()), dtype
 
 
-def _quiet(*args, **kwargs):
-    pass
-
-
 @dataclass
 class Run:
     """Where and how a run computes, settled on every rank before anything heavy is built: its config, the model's
-    config, the layout of the ranks (checked here, before any collective), this rank, its device and precision."""
+    config, the layout of the ranks (checked before any collective), this rank, its device and precision."""
     tc: TrainConfig
     cfg: ModelConfig
     layout: parallel.Layout
@@ -781,9 +651,10 @@ class Run:
     def master(self) -> bool:
         return self.rank == 0
 
-    @property
-    def say(self):
-        return print if self.master else _quiet
+    def say(self, *args, **kwargs):
+        """print, on rank 0 only."""
+        if self.master:
+            print(*args, **kwargs)
 
 
 def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
@@ -792,9 +663,8 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
     tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
     torch.manual_seed(tc.seed)
-    # The default corpus is prepared on first use (rank 0 writes, the others wait).
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
-        if rank == 0:
+        if rank == 0:  # the default corpus is prepared on first use; the other ranks wait
             data.prepare(out_dir=tc.data)
         if dist.is_initialized():
             dist.barrier()
@@ -815,7 +685,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
 
 
 def resolved_config(run: Run, manifest: dict) -> dict:
-    """The run's config as config.json and every checkpoint keep it (the run id is added by resume)."""
+    """The run's config as config.json and every checkpoint keep it (resume adds the run id)."""
     return {"train": dataclasses.asdict(run.tc), "model": dataclasses.asdict(run.cfg), "world_size": run.layout.world,
             "tokenizer": {"name": manifest["tokenizer"],
                           "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
@@ -841,20 +711,19 @@ def flops_per_token(run: Run) -> float:
 
 
 class Drills:
-    """The fault drills: faults a run injects on purpose to show it survives them. A rank that dies (torchrun
-    restarts the job, which resumes) and a hung step (the watchdog) happen on the first launch only, so the restarted
-    job can finish; a NaN loss tests the non-finite guard, a skewed router the expert balancing."""
+    """Faults a run injects on purpose to show it survives them. A dying rank (torchrun restarts the job, which
+    resumes) and a hung step (the watchdog) happen on the first launch only, so the restarted job can finish; a NaN
+    loss tests the non-finite guard, a skewed router the expert balancing."""
 
     def __init__(self, run: Run):
-        self.tc, self.rank, self.last_rank = run.tc, run.rank, run.rank == run.layout.world - 1
-        self.top_k = run.cfg.top_k
+        self.run, self.tc = run, run.tc
         self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def skew_router(self, model):
         """A fresh run's router collapsed onto the first 2*top_k experts of every MoE layer (a resume overwrites it)."""
         if self.tc.skew_router:
-            for moe in moe_layers(model):
-                moe.expert_bias[: 2 * self.top_k] += self.tc.skew_router
+            for moe in model.moe_layers():
+                moe.expert_bias[: 2 * self.run.cfg.top_k] += self.tc.skew_router
 
     def before_step(self, step: int) -> bool:
         """Hangs the --stall_at_step step; True if this step's loss is to be NaN."""
@@ -863,52 +732,56 @@ class Drills:
         return step == self.tc.nan_at_step
 
     def after_step(self, step: int):
-        if step + 1 == self.tc.crash_at_step and self.first_launch and self.last_rank:
-            print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+        rank = self.run.rank
+        if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
+            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
 
 
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row."""
+    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row. A checkpoint write that fails
+    (a full disk) is said in one line and the run goes on from the previous one; the final one's failure is raised."""
 
-    def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig,
-                 ckpt: Checkpointer, sinks: MetricsSinks, flops_per_token: float, drills: Drills):
+    def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
+                 sinks: MetricsSinks, flops_per_token: float, drills: Drills):
         self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
-        (self.loader, self.val_loader), self.ckpt, self.sinks, self.drills = loaders, ckpt, sinks, drills
+        (self.loader, self.val_loader), self.resolved, self.sinks, self.drills = loaders, resolved, sinks, drills
         self.flops_per_token, self.peak = flops_per_token, peak_tflops(run.device, run.tc.peak_tflops)
         self.tokens_per_step = run.tc.global_batch * run.tc.seq_len
-        self.preemption, self.watchdog = Preemption(), Watchdog(run.tc.step_timeout)
-        self.first_loss = self.val_loss = self.out = None
-        self.t_start = self.t_last = time.time()
-        self.steps_since_log, self.start_step = 0, state.step
+        self.guard, self.ckpt_root = Guard(run.tc.step_timeout), os.path.join(run.tc.out_dir, "checkpoints")
+        self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
+        self.t_start = self.t_last = self.ckpt_time = time.time()
+        self.steps_since_log, self.start_step, self.ckpt_step, self.final = 0, state.step, 0, False
 
     def train(self):
         for step in range(self.start_step, self.run.tc.steps):
             if self.step(step):
                 break
-        self.ckpt.complete()
+        self.complete()
 
     def step(self, step: int) -> bool:
         """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
-        tc, say, state = self.run.tc, self.run.say, self.state
+        run, tc, state = self.run, self.run.tc, self.state
         state.step = step
         lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         poison = self.drills.before_step(step)
         batch = self.loader.batch(step)
-        out = self.out = train_step(self.model, self.optimizer, batch, tc, self.run.autocast, state, poison=poison)
-        # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write still in flight
-        # on any rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of
-        # the data stream, for metrics.jsonl).
-        preempted, writing, clock_due, tokens_sum = global_sums(
-            self.run.device, self.preemption.requested, self.ckpt.writing(),
-            self.run.master and self.ckpt.clock_due(), batch[0].sum().item())
+        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, poison=poison)
+        # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write in flight on any
+        # rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of the data
+        # stream, for metrics.jsonl; float64 keeps integers below 2**53 exact).
+        writing = self.pending is not None and not self.pending.done()
+        clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
+        preempted, writing, clock_due, tokens_sum = parallel.all_reduce_sum_(torch.tensor(
+            [self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
+            device=run.device)).tolist()
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
-            self.ckpt.complete()  # so a crash loses at most ckpt_every steps
+            self.complete()  # so a crash loses at most ckpt_every steps
         self.loader.step = step + 1
-        self.watchdog.beat(step + 1)
+        self.guard.beat(step + 1)
         self.steps_since_log += 1
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
@@ -920,17 +793,14 @@ class Loop:
             record.update(self.log(step, lr))
         if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
             self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
-                                                          tc.micro_batch, self.run.autocast)
-            say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
-        if self.run.master:
-            with open(os.path.join(tc.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-            self.sinks.write(record)
+                                                          tc.micro_batch, run.autocast)
+            run.say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
+        self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
-            self.ckpt.save(step + 1, final=last or preempted)
+            self.save(step + 1, final=last or preempted)
         if preempted:
-            say(f"{'interrupted' if self.preemption.interrupted else 'preempted'}: checkpoint written at step "
-                f"{step + 1}; exiting")
+            run.say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
+                    f"{step + 1}; exiting")
             return True
         self.drills.after_step(step)
         return False
@@ -941,12 +811,41 @@ class Loop:
         self.run.say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
                      f"({state.bad_steps} in a row, {state.skipped} in total)")
         if state.bad_steps >= self.run.tc.max_bad_steps:
-            newest = checkpoint.latest(self.ckpt.root)
-            self.watchdog.stop()
-            self.preemption.close()
+            self.guard.close()
             raise RuntimeError(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; "
-                               f"the last good checkpoint is {newest or 'none'}; lower --lr or inspect the data "
-                               f"of these steps, then resume")
+                               f"the last good checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr "
+                               f"or inspect the data of these steps, then resume")
+
+    def save(self, step: int, final: bool):
+        self.complete()  # the previous asynchronous write must be complete before the next one starts
+        tc, self.ckpt_step, self.final, self.ckpt_time = self.run.tc, step, final, time.time()
+        train = {**self.state.saved(step), "data": self.loader.state_dict(), "run_id": self.resolved["run_id"],
+                 "schedule_steps": self.schedule.steps}
+        try:
+            self.pending = checkpoint.save(self.ckpt_root, step, {"model": self.model, "optim": self.optimizer,
+                                           "train": train}, self.resolved, keep=tc.keep_ckpts, async_save=tc.async_ckpt)
+        except checkpoint.SaveFailed as e:
+            return self.failed(e)
+        if not tc.async_ckpt:
+            self.complete()
+
+    def complete(self):
+        """Wait for the checkpoint write in flight, if any, and mark its checkpoint complete."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending()
+        except checkpoint.SaveFailed as e:
+            return self.failed(e)
+        self.run.say(f"checkpoint step_{self.ckpt_step:08d} complete, "
+                     f"{time.time() - self.ckpt_time:.1f}s after it began")
+
+    def failed(self, e: checkpoint.SaveFailed):
+        if self.final:
+            self.lost = e  # nothing follows to go on with: finish raises it once the run is wound up
+        else:
+            self.run.say(f"{e} Training goes on.")
 
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields."""
@@ -958,7 +857,7 @@ class Loop:
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        bal = balance_metrics(out["counts_LE"], moe_layers(self.model))
+        bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
         self.run.say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
                      f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
@@ -976,13 +875,12 @@ class Loop:
                          f"{time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {out['loss']:.3f}, "
                          f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
                          f"outputs in {tc.out_dir}/")
-        if tc.sample_tokens and out is not None and not self.preemption.requested:
+        if tc.sample_tokens and out is not None and not self.guard.requested:
             sample(self.run, self.model, manifest)
-        self.watchdog.stop()
-        self.preemption.close()
+        self.guard.close()
         self.sinks.close()
-        if self.ckpt.lost:
-            raise self.ckpt.lost
+        if self.lost:
+            raise self.lost
         return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
                 "step": self.state.step + 1}
 
@@ -1019,14 +917,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
-    if run.master:
-        start_run_files(tc.out_dir, resolved, state.step)
-    ckpt = Checkpointer(tc, os.path.join(tc.out_dir, "checkpoints"), lambda step: {
-        **state.saved(step), "data": train_loader.state_dict(), "run_id": resolved["run_id"],
-        "schedule_steps": schedule.steps}, {"model": model, "optim": optimizer}, resolved, say)
-
-    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, ckpt,
-                MetricsSinks(tc, resolved, state.step, run.master), flops, drills)
+    sinks = MetricsSinks(tc, resolved, state.step, run.master)  # config.json; metrics.jsonl cut at the step resumed
+    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, sinks, flops, drills)
     loop.train()
     return loop.finish(manifest)
 
