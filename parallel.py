@@ -1,10 +1,8 @@
 """
 Parallelism applied in place to the plain model of model.py (HSDP, expert parallelism, activation checkpointing,
-per-block torch.compile) and the optimizer (AdamW, or Muon on sharded matrices).
-
-Layout: one DeviceMesh [dp_replicate, efsdp, ep], ep innermost so an EP group is `ep` consecutive ranks (one node).
-Dense parameters are FSDP-sharded over dp_shard = efsdp x ep, routed experts split E/ep per EP rank and FSDP-sharded
-over efsdp; both replicated over dp_replicate. Every rank reads its own slice of the global batch.
+per-block torch.compile), and the optimizer (AdamW, or Muon on sharded matrices). One DeviceMesh [dp_replicate,
+efsdp, ep], ep innermost (an EP group is consecutive ranks): dense parameters FSDP-sharded over dp_shard = efsdp x ep,
+routed experts split E/ep per EP rank and sharded over efsdp, both replicated over dp_replicate.
 
     torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
     python -m pytest tests/test_parallel.py tests/test_muon.py -q              # 8 and 2 CPU ranks vs one process
@@ -80,17 +78,6 @@ def use_cuda() -> bool:
     return choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
 
 
-def _restart_store(rank: int, world: int, timeout_s: int) -> dict:
-    """torch >= 2.5 keeps torchrun's one store across restarts (pytorch/pytorch#135712), where restarted workers would
-    read the dead workers' addresses: each restart attempt gets its own key prefix. Empty outside torchrun's store."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", store), "rank": rank, "world_size": world}
-
-
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
     collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group."""
@@ -111,8 +98,16 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
         torch.cuda.set_device(device)
+    store = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch >= 2.5 keeps torchrun's one store across restarts (pytorch/pytorch#135712), where restarted workers
+        # would read the dead workers' addresses: each restart attempt gets its own key prefix.
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", agent), "rank": rank, "world_size": world}
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if cuda else None, **_restart_store(rank, world, timeout_s))
+                            device_id=device if cuda else None, **store)
     return rank, world, device
 
 
@@ -123,8 +118,8 @@ def finish(code: int) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "RANK" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         os._exit(code)
     return code
 
@@ -143,19 +138,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _groups(groups: list[list[int]]) -> str:
-    """Rank groups as "[0-3] [4-7]" or "[0,4,8]", long strided lists and more than three groups shortened."""
-    def ranks(g):
-        if len(g) > 1 and g == list(range(g[0], g[-1] + 1)):
-            return f"{g[0]}-{g[-1]}"
-        return f"{g[0]},{g[1]},...,{g[-1]}" if len(g) > 4 else ",".join(map(str, g))
-    return " ".join(f"[{ranks(g)}]" for g in groups[:3]) + (f" ... ({len(groups)} groups)" if len(groups) > 3 else "")
-
-
 @dataclass
 class Layout:
-    """How `world` ranks are split: dp_replicate replicas of an FSDP group of dp_shard ranks, each FSDP group made of
-    efsdp = dp_shard / ep expert-parallel groups of ep consecutive ranks."""
+    """`world` ranks as dp_replicate replicas of an FSDP group of dp_shard ranks: efsdp EP groups of ep ranks each."""
     world: int
     dp_replicate: int = 1
     ep: int = 1
@@ -205,14 +190,21 @@ class Layout:
         W, R, S, F, ep = self.world, self.dp_replicate, self.dp_shard, self.efsdp, self.ep
         if W == 1:
             return "1 process: no data or expert parallelism."
+
+        def shown(g: list[int]) -> str:  # "0-3", "0,4", "0,4,...,28"
+            if len(g) > 1 and g == list(range(g[0], g[-1] + 1)):
+                return f"{g[0]}-{g[-1]}"
+            return f"{g[0]},{g[1]},...,{g[-1]}" if len(g) > 4 else ",".join(map(str, g))
         ranks = torch.arange(W).view(R, F, ep)  # row-major, as init_device_mesh lays ranks out
         lines = [f"mesh [dp_replicate={R}, efsdp={F}, ep={ep}] over {W} ranks"]
-        for shown, name, grid in ((True, f"FSDP groups (dense params, dp_shard={S})", ranks.reshape(R, -1)),
-                                  (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 0)),
-                                  (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
-                                  (F > 1, f"expert FSDP groups (efsdp={F})", ranks.transpose(1, 2))):
-            if shown:
-                lines.append(f"  {name}: {_groups(grid.reshape(-1, grid.shape[-1]).tolist())}")
+        for wanted, name, grid in ((True, f"FSDP groups (dense params, dp_shard={S})", ranks.reshape(R, -1)),
+                                   (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 0)),
+                                   (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
+                                   (F > 1, f"expert FSDP groups (efsdp={F})", ranks.transpose(1, 2))):
+            groups = grid.reshape(-1, grid.shape[-1]).tolist()
+            if wanted:
+                lines.append(f"  {name}: " + " ".join(f"[{shown(g)}]" for g in groups[:3])
+                             + (f" ... ({len(groups)} groups)" if len(groups) > 3 else ""))
         if n_experts is not None:
             per_gpu = n_experts / ep / F
             lines.append(f"  routed experts: {n_experts}/{ep} = {n_experts // ep} per EP rank, {per_gpu:g} per GPU"
@@ -296,18 +288,16 @@ def apply_ep(model: Transformer, mesh: DeviceMesh):
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype = torch.float32):
-    """fully_shard per block and on the root: dense parameters over (dp_replicate, dp_shard), routed experts (their
-    own FSDP unit) over (dp_replicate, efsdp); plain FSDP where dp_replicate is 1."""
-    R, world = mesh["dp_replicate"].size(), mesh.size()
-    dense_mesh = _submesh(mesh, "dp_shard") if R == 1 else _submesh(mesh, "dp_replicate", "dp_shard")
-    expert_mesh = mesh["efsdp"] if R == 1 else mesh["dp_replicate", "efsdp"]
+    """fully_shard each block and the root over (dp_replicate, dp_shard), routed experts over (dp_replicate, efsdp)."""
+    replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
+    dense_mesh, expert_mesh = _submesh(mesh, *replicas, "dp_shard"), mesh[(*replicas, "efsdp")]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
             experts = fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
             # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens of
             # all ep peers (the all-to-all backward): dividing by the world gives the global-batch mean, as dense.
-            experts.set_gradient_divide_factor(float(world))
+            experts.set_gradient_divide_factor(float(mesh.size()))
             if mesh.device_type == "cpu" and mesh["efsdp"].size() > 1:
                 # A custom factor reduce-scatters with PREMUL_SUM, which gloo lacks: sum, then divide. (Not with a
                 # single-rank efsdp: there torch 2.13 divides once in the copy and again after the sum.)
@@ -361,15 +351,12 @@ def apply_ac(model: Transformer, mode: str):
         block.forward = checkpointed(block.forward)
 
 
-# One Block.forward serves every layer, so dynamo compiles it per kind of block (dense or MoE, local or global
-# attention), grad mode and batch shape: more variants than its default limit of 8, past which the rest run eagerly.
-RECOMPILE_LIMIT = 64
-
-
 def apply_compile(model: Transformer, backend: str = "inductor"):
     """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
     all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # One Block.forward serves every layer: dynamo compiles it per kind of block, grad mode and batch shape, more
+    # variants than its default limit of 8, past which the rest would run eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers.values():
         block.compile(backend=backend)
 
@@ -394,7 +381,6 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
         check_host_memory(model, state_copies)
     model.to_empty(device=device)
     torch.manual_seed(seed)
-
     def draw_whole_keep_shard(tensor: torch.Tensor, init):
         # DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded
         # tensor is drawn whole and this rank keeps its shard: the weights one process draws from the same seed.
@@ -437,9 +423,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.op
 
 def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Orthogonalise each matrix of a batch [X, O, F] (about U Vᵀ of its SVD, singular values into about [0.5, 1.5]):
-    scale to Frobenius norm 1, then `steps` quintic Newton-Schulz iterations in `dtype` (default: the input's), on the
-    wide orientation so the Gram matrices are the small Q x Q ones. torch.optim.Muon's operations, batched."""
+    """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then `steps` quintic
+    iterations in `dtype` (default: the input's), turned wide so the Gram matrices are the small ones; batched."""
     a, b, c = coefficients
     w_XQW = u_XOF.to(dtype or u_XOF.dtype)
     tall = w_XQW.shape[-2] > w_XQW.shape[-1]
@@ -550,8 +535,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _orthogonalise_local(self, items: list):
-        """Whole matrices, no communication: same-shaped ones (every layer's q_proj, every local expert's
-        gate_up_proj) stacked in batches of up to batch_elements, one Newton-Schulz per batch."""
+        """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
         open_batches: dict = {}  # kind of matrix -> [items, elements] of the batch being filled
         batches = []
         for p, u, group in items:
@@ -569,8 +553,7 @@ class Muon(torch.optim.Optimizer):
                 self._apply(p, o, group)
 
     def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
-        """Row-sharded matrices over one mesh dim: each rank of the group orthogonalises its share, one matrix per
-        round (all-to-all of rows in, Newton-Schulz, all-to-all of rows out)."""
+        """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, Newton-Schulz, out)."""
         group_pg, S, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
         rows = [_chunk_rows(p.shape[0], S) for p, _, _ in items]
         for (p, u, _), r in zip(items, rows):
@@ -585,10 +568,10 @@ class Muon(torch.optim.Optimizer):
             owned[owner].append(i)
         device = items[0][1].device
         dtype = self._dtype(device)
+        nothing = torch.empty(0, dtype=dtype, device=device)
         for rnd in range(max(len(o) for o in owned)):
             todo = [o[rnd] if rnd < len(o) else None for o in owned]  # the matrix each rank orthogonalises now
-            send = [items[i][1].reshape(-1).to(dtype) if i is not None else torch.empty(0, dtype=dtype, device=device)
-                    for i in todo]
+            send = [items[i][1].reshape(-1).to(dtype) if i is not None else nothing for i in todo]
             send_splits = [t.numel() for t in send]
             mine = todo[me]
             recv_splits = [n * items[mine][0].shape[1] for n in rows[mine]] if mine is not None else [0] * S

@@ -79,8 +79,9 @@ def train_steps(run, model, tokens):
     record = {"loss": [], "grad_norm": [], "counts": []}
 
     def keep_first_grads(optimizer, args, kwargs):
-        record.setdefault("grads", {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu().clone()
-                                    for n, p in model.named_parameters()})
+        if "grads" not in record:
+            record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu().clone()
+                               for n, p in model.named_parameters()}
     optimizer.register_step_pre_hook(keep_first_grads)
     state = train.TrainState.fresh(model, run.device)
     local_batch = GLOBAL_BATCH // run.layout.world
