@@ -344,9 +344,12 @@ def apply_ac(model: Transformer, mode: str):
         # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
         SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
+
     def checkpointed(forward):
-        return functools.wraps(forward)(lambda *args, **kwargs: checkpoint(
-            forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs))
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return run
     for block in model.layers.values():
         block.forward = checkpointed(block.forward)
 
@@ -359,6 +362,15 @@ def apply_compile(model: Transformer, backend: str = "inductor"):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers.values():
         block.compile(backend=backend)
+
+
+def _draw_whole_keep_shard(tensor: torch.Tensor, init):
+    """DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded tensor
+    is drawn whole and this rank keeps its shard: the weights one process draws from the same seed."""
+    if not isinstance(tensor, DTensor):
+        return init(tensor)
+    whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
+    tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
 
 
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
@@ -381,14 +393,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
         check_host_memory(model, state_copies)
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    def draw_whole_keep_shard(tensor: torch.Tensor, init):
-        # DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded
-        # tensor is drawn whole and this rank keeps its shard: the weights one process draws from the same seed.
-        if not isinstance(tensor, DTensor):
-            return init(tensor)
-        whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
-        tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
-    draw = draw_whole_keep_shard if mesh is not None and device.type == "cpu" else None
+    draw = _draw_whole_keep_shard if mesh is not None and device.type == "cpu" else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights(draw)
@@ -436,12 +441,6 @@ def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_
         poly_XQQ = torch.baddbmm(gram_XQQ, gram_XQQ, gram_XQQ, beta=b, alpha=c)
         w_XQW = torch.baddbmm(w_XQW, poly_XQQ, w_XQW, beta=a)
     return w_XQW.mT if tall else w_XQW
-
-
-def _chunk_rows(n: int, parts: int) -> list[int]:
-    """Rows of each shard when n rows are split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them."""
-    size = -(-n // parts)
-    return [max(0, min(size, n - r * size)) for r in range(parts)]
 
 
 def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
@@ -555,7 +554,9 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
         """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, Newton-Schulz, out)."""
         group_pg, S, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        rows = [_chunk_rows(p.shape[0], S) for p, _, _ in items]
+        # Each shard's rows: split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them.
+        sizes = [-(-p.shape[0] // S) for p, _, _ in items]
+        rows = [[max(0, min(s, p.shape[0] - r * s)) for r in range(S)] for (p, _, _), s in zip(items, sizes)]
         for (p, u, _), r in zip(items, rows):
             if u.shape[0] != r[me]:
                 raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
