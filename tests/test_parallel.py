@@ -58,15 +58,14 @@ def batches():
     return torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-def config(world, run=None):
-    """The TrainConfig of a run, as train.py resolves it (one process: the whole global batch in one micro-batch):
-    AdamW at a constant LR, the sign rule with a large step (so routing changes between steps), fp32 throughout."""
-    run = run or dict(layout={}, micro_batch=0)
-    tc = train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=run["micro_batch"], seq_len=SEQ, lr=LR,
-                           grad_clip=MAX_NORM, balance="sign", sign_gamma=BIAS_STEP, doc_mask=False, dtype="fp32",
-                           ac=run.get("ac", "none"), compile=run.get("compile", False),
-                           keep_gathered=run.get("keep_gathered", False), **run["layout"])
-    return train.with_batch_defaults(tc, world)
+def config(run=None):
+    """The TrainConfig of a run (one process: the whole global batch in one micro-batch): AdamW at a constant LR, the
+    sign rule with a large step (so routing changes between steps), fp32 throughout."""
+    run = run or dict(layout={}, micro_batch=GLOBAL_BATCH)
+    return train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=run["micro_batch"], seq_len=SEQ, lr=LR,
+                             grad_clip=MAX_NORM, balance="sign", sign_gamma=BIAS_STEP, doc_mask=False, dtype="fp32",
+                             ac=run.get("ac", "none"), compile=run.get("compile", False),
+                             keep_gathered=run.get("keep_gathered", False), **run["layout"])
 
 
 def train_steps(run, model, tokens):
@@ -104,7 +103,7 @@ def run_layout(name, init, tokens, rank, world, device):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0
-    run = train.Run.on(config(world, RUNS[name]), CFG, rank, world, device)  # checks the layout, as train.py does
+    run = train.Run.on(config(RUNS[name]), CFG, rank, world, device)  # checks the layout, as train.py does
     layout = run.layout
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(CFG, layout, mesh, device, ac=run.tc.ac, compile=run.tc.compile)
@@ -177,7 +176,7 @@ def runs(tmp_path_factory, request):
     if device.type == "cuda":  # as the ranks run them (run_layout)
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
-    reference = train_steps(train.Run.on(config(1), CFG, 0, 1, device), model, tokens)
+    reference = train_steps(train.Run.on(config(), CFG, 0, 1, device), model, tokens)
     reference["state_dict"] = {k: v.cpu() for k, v in model.state_dict().items()}
     reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
     reference["device"] = device
