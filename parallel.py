@@ -1,34 +1,17 @@
 """
-Parallelism for the plain model of model.py: HSDP (FSDP2 groups × replicas) for every parameter, expert parallelism
-(EP) for the routed experts, activation checkpointing and per-block torch.compile, applied to the model in place.
-
-Layout: one DeviceMesh [dp_replicate, efsdp, ep] with ep innermost, so an EP group is `ep` consecutive
-ranks (one node). Dense parameters are FSDP-sharded over dp_shard = efsdp × ep and replicated over dp_replicate;
-routed experts are split E/ep per EP rank, FSDP-sharded over efsdp and replicated over dp_replicate. Every rank is
-a data-parallel rank: it reads its own slice of the global batch. The Muon optimizer lives here too: it
-orthogonalises each matrix whole without any rank gathering more than its share of them.
+Parallelism applied in place to the plain model of model.py (HSDP, expert parallelism, activation checkpointing,
+per-block torch.compile), and the optimizer (AdamW, or Muon on sharded matrices). One DeviceMesh [dp_replicate,
+efsdp, ep], ep innermost (an EP group is consecutive ranks): dense parameters FSDP-sharded over dp_shard = efsdp x ep,
+routed experts split E/ep per EP rank and sharded over efsdp, both replicated over dp_replicate.
 
     torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
-    python -m pytest tests/test_parallel.py -q                                 # 8 and 2 CPU ranks vs one
-    python -m pytest tests/test_muon.py -q                                     # Muon: torch's, 8 ranks vs one
+    python -m pytest tests/test_parallel.py tests/test_muon.py -q              # 8 and 2 CPU ranks vs one process
 
-    rank, world, device = init_distributed()
-    layout = Layout(world, dp_replicate=2, ep=4)
-    layout.check(model_cfg, global_batch=256, micro_batch=4)   # raises before any collective, on every rank
-    print(layout.describe(model_cfg.n_experts))
-    mesh = build_mesh(layout, device.type)
-    model = build_model(model_cfg, layout, mesh, device, ac="selective", compile=True, param_dtype=torch.bfloat16)
-    ...
-    optimizer = Muon([{"params": hidden_matrices, "lr_scale": 4.0}, {"params": others, "muon": False}], lr=2e-4)
-    grad_norm = clip_grad_norm_(model, 1.0)
-    optimizer.step()
-    all_reduce_sum_(tokens_per_expert_LE)   # the whole global batch's counts, identical on every rank
-
-Shape letters as in model.py, plus: M (token, expert) pairs on this rank sorted by expert, P peers in the EP group,
-L local experts (E / ep), R tokens received from the EP peers; for Muon, X matrices in a batch, each O x F (fan-out
-x fan-in), Q x W once turned wide (Q <= W).
+Shape letters as in model.py, plus: M (token, expert) pairs sorted by expert, P EP peers, L local experts (E / ep),
+R tokens received from the EP peers; for Muon, X matrices in a batch, each O x F (fan-out x fan-in), Q x W wide.
 """
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -55,59 +38,37 @@ from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn
 AC_MODES = ("none", "full", "selective")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (the DTensor's own storage, so in-place updates reach the parameter), or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Process group
 
-def keep_freed_cpu_memory(threshold: int = 1 << 30):
-    """Make glibc's malloc keep freed blocks below `threshold` bytes for reuse instead of handing each block over
-    32 MiB back to the OS. Otherwise every training step maps its large CPU tensors (logits, expert activations,
-    expert gradients) afresh and the kernel zero-fills them page by page: a quarter of the CPU time of an MoE layer
-    at the nano shapes. CUDA's caching allocator does this already. The price is memory held between steps (the
-    tiny step's peak RSS: 1.4 GiB instead of 1.3). A no-op where libc has no mallopt (macOS, musl)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, threshold)
-    mallopt(M_TRIM_THRESHOLD, threshold)
-
-
 def host_memory_available() -> int | None:
-    """The kernel's estimate of the memory new allocations can take without swapping (MemAvailable), in bytes;
-    None where /proc/meminfo does not exist."""
+    """What new allocations can take without swapping (the kernel's MemAvailable), in bytes; None without /proc."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, gradients and optimizer state"):
-    """Refuse, before anything is allocated, a CPU model whose weights on this rank, times `copies` (the weights,
-    their gradients and the optimizer's moments: train.state_copies), cannot fit with the other ranks of this
-    machine in its available memory; `what` names them in the message. Without this the kernel's OOM killer ends
-    the run without a word. A lower bound: activations and buffers are not counted, so a run it lets through may
-    still need more."""
+    """Refuse a CPU model whose weights on this rank times `copies` cannot fit, with this machine's other ranks, in its
+    available memory (else the OOM killer ends the run without a word). A lower bound: activations are not counted."""
     available = host_memory_available()
-    if available is None:
-        return
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    need = copies * sum(t.numel() * t.element_size() for t in local)
-    if need * ranks > available:
+    need = copies * sum(t.numel() * t.element_size() for t in map(_local, model.parameters()))
+    if available is not None and need * ranks > available:
         raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
                          f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model (--preset, "
-                         f"--n_layers, --n_experts), spread it over more machines (FSDP shards it over all ranks), "
-                         f"or train on GPUs.")
+                         f"--n_layers, --n_experts), more machines (FSDP shards it over all ranks) or GPUs.")
 
 
 def use_cuda() -> bool:
-    """Whether this process computes on a GPU: NANOTITAN_DEVICE=cpu or cuda says so, unset (or auto) means wherever
-    a GPU is visible. The tests set cpu, so that the CPU suite runs the same on a GPU machine."""
+    """Whether to compute on a GPU: NANOTITAN_DEVICE=cpu or cuda says so; unset (or auto): where a GPU is visible."""
     choice = os.environ.get("NANOTITAN_DEVICE", "auto")
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"NANOTITAN_DEVICE={choice} is not one of auto, cpu, cuda; unset it to use a GPU where "
@@ -119,66 +80,52 @@ def use_cuda() -> bool:
 
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
-    collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group. On CPU it
-    also keeps freed memory in the process (keep_freed_cpu_memory)."""
+    collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group."""
     cuda = use_cuda()
     if not cuda:
-        keep_freed_cpu_memory()
+        # glibc hands every freed block over 32 MiB back to the OS, which zero-fills it afresh at the next step (a
+        # quarter of an MoE layer's CPU time): keep blocks under 1 GiB for reuse (M_MMAP_ and M_TRIM_THRESHOLD).
+        with contextlib.suppress(OSError, AttributeError):
+            for option in (-3, -1):
+                ctypes.CDLL("libc.so.6").mallopt(option, 1 << 30)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device,
-                                **_restart_store(rank, world, timeout_s))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **_restart_store(rank, world, timeout_s))
+    store = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch >= 2.5 keeps torchrun's one store across restarts (pytorch/pytorch#135712), where restarted workers
+        # would read the dead workers' addresses: each restart attempt gets its own key prefix.
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", agent), "rank": rank, "world_size": world}
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if cuda else None, **store)
     return rank, world, device
 
 
-def _restart_store(rank: int, world: int, timeout_s: int) -> dict:
-    """init_process_group's store under torchrun: torch >= 2.5 keeps torchrun's one store across restarts
-    (pytorch/pytorch#135712), so restarted workers would read the dead workers' addresses and fail to connect; each
-    restart attempt gets its own key prefix instead. Empty (the env:// default) outside torchrun's shared store."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", store), "rank": rank, "world_size": world}
-
-
-def destroy():
-    """Tear the process groups down at the end of a run, once the model and optimizer are out of scope. FSDP states
-    and device meshes sit in reference cycles that hold process groups and their gloo work objects: collected here,
-    while the interpreter is whole, rather than during its shutdown."""
+def finish(code: int) -> int:
+    """End a finished run: collect the reference cycles that hold process groups while the interpreter is whole, and
+    leave a torchrun worker without interpreter shutdown (where gloo's leftovers can abort a run that succeeded)."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def finish(code: int) -> int:
-    """The end of a process whose run is over: destroy(); then a torchrun worker leaves at once, without interpreter
-    shutdown. A rank whose work is done and written can otherwise abort while shutdown destroys gloo's leftover work
-    objects ("terminate called without an active exception"), and torchrun
-    then reports a finished run as failed. Returns `code` in a plain process."""
-    destroy()
     if "RANK" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         os._exit(code)
     return code
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks, in place (a no-op in one process). Every rank is a data-parallel rank, so summing the
-    tokens-per-expert counts over all ranks gives the whole global batch's counts on every rank."""
+    """Sum over all ranks, in place (a no-op in one process): the global batch's counts, on every rank."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -191,24 +138,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _ranks(ranks: list[int]) -> str:
-    """[0, 1, 2, 3] -> "0-3", [0, 4, 8] -> "0,4,8", long strided lists shortened."""
-    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    if len(ranks) > 4:
-        return f"{ranks[0]},{ranks[1]},...,{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
-def _groups(groups: list[list[int]]) -> str:
-    shown = " ".join(f"[{_ranks(g)}]" for g in groups[:3])
-    return shown + (f" ... ({len(groups)} groups)" if len(groups) > 3 else "")
-
-
 @dataclass
 class Layout:
-    """How `world` ranks are split: dp_replicate replicas of an FSDP group of dp_shard ranks, each FSDP group made of
-    efsdp = dp_shard / ep expert-parallel groups of ep consecutive ranks."""
+    """`world` ranks as dp_replicate replicas of an FSDP group of dp_shard ranks: efsdp EP groups of ep ranks each."""
     world: int
     dp_replicate: int = 1
     ep: int = 1
@@ -222,9 +154,8 @@ class Layout:
         return self.dp_shard // self.ep
 
     def check(self, model_cfg: ModelConfig, global_batch: int, micro_batch: int):
-        """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg`
-        on `global_batch` sequences in micro-batches of `micro_batch`. Pure arithmetic, so every rank raises the same
-        error before any collective starts."""
+        """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg` on
+        `global_batch` sequences in micro-batches of `micro_batch`: on every rank alike, before any collective."""
         W, R, ep, E = self.world, self.dp_replicate, self.ep, model_cfg.n_experts
         for name, value in (("world", W), ("dp_replicate", R), ("ep", ep), ("global_batch", global_batch),
                             ("micro_batch", micro_batch)):
@@ -259,31 +190,30 @@ class Layout:
         W, R, S, F, ep = self.world, self.dp_replicate, self.dp_shard, self.efsdp, self.ep
         if W == 1:
             return "1 process: no data or expert parallelism."
-        def rank(r, f, e):  # row-major over [dp_replicate, efsdp, ep], as init_device_mesh lays ranks out
-            return (r * F + f) * ep + e
-        fsdp = [[rank(r, f, e) for f in range(F) for e in range(ep)] for r in range(R)]
-        replicas = [[rank(r, f, e) for r in range(R)] for f in range(F) for e in range(ep)]
-        ep_groups = [[rank(r, f, e) for e in range(ep)] for r in range(R) for f in range(F)]
-        efsdp = [[rank(r, f, e) for f in range(F)] for r in range(R) for e in range(ep)]
-        lines = [f"mesh [dp_replicate={R}, efsdp={F}, ep={ep}] over {W} ranks",
-                 f"  FSDP groups (dense params, dp_shard={S}): {_groups(fsdp)}"]
-        if R > 1:
-            lines.append(f"  replicas (dp_replicate={R}, dense and experts): {_groups(replicas)}")
-        if ep > 1:
-            lines.append(f"  EP groups (ep={ep}, consecutive ranks): {_groups(ep_groups)}")
-        if F > 1:
-            lines.append(f"  expert FSDP groups (efsdp={F}): {_groups(efsdp)}")
+
+        def shown(g: list[int]) -> str:  # "0-3", "0,4", "0,4,...,28"
+            if len(g) > 1 and g == list(range(g[0], g[-1] + 1)):
+                return f"{g[0]}-{g[-1]}"
+            return f"{g[0]},{g[1]},...,{g[-1]}" if len(g) > 4 else ",".join(map(str, g))
+        ranks = torch.arange(W).view(R, F, ep)  # row-major, as init_device_mesh lays ranks out
+        lines = [f"mesh [dp_replicate={R}, efsdp={F}, ep={ep}] over {W} ranks"]
+        for wanted, name, grid in ((True, f"FSDP groups (dense params, dp_shard={S})", ranks.reshape(R, -1)),
+                                   (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 0)),
+                                   (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
+                                   (F > 1, f"expert FSDP groups (efsdp={F})", ranks.transpose(1, 2))):
+            groups = grid.reshape(-1, grid.shape[-1]).tolist()
+            if wanted:
+                lines.append(f"  {name}: " + " ".join(f"[{shown(g)}]" for g in groups[:3])
+                             + (f" ... ({len(groups)} groups)" if len(groups) > 3 else ""))
         if n_experts is not None:
             per_gpu = n_experts / ep / F
-            uneven = "" if per_gpu.is_integer() else " (uneven FSDP shards)"
             lines.append(f"  routed experts: {n_experts}/{ep} = {n_experts // ep} per EP rank, {per_gpu:g} per GPU"
-                         + uneven)
+                         + ("" if per_gpu.is_integer() else " (uneven FSDP shards)"))
         return "\n".join(lines)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
-    """One mesh [dp_replicate, efsdp, ep] (ep innermost: an EP group is consecutive ranks, one node) plus the
-    flattened dim dp_shard = (efsdp, ep) for the dense parameters. None in one process."""
+    """The mesh [dp_replicate, efsdp, ep] plus the flattened dim dp_shard = (efsdp, ep); None in one process."""
     if layout.world == 1:
         return None
     if not dist.is_initialized():
@@ -296,22 +226,18 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
 
 
 def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """mesh[names] where names include the flattened "dp_shard". torch 2.13 warns that slicing a flattened dim from
-    the root mesh will go away; it works on 2.11-2.13, and one mesh object is simpler to pass around than three."""
+    """mesh[names] with the flattened "dp_shard" among them (torch 2.13 warns this will go away; 2.11-2.13 do it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[names]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Expert parallelism
+# The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
 
 class ExpertParallelExperts(GroupedExperts):
-    """The E/ep experts of this EP rank; forward sends every token to the rank that holds its expert and back.
-
-    The weights are DTensors sharded over the "ep" mesh dim (Shard(0) on the expert dim), so their global shape and
-    state-dict names are those of the plain model's GroupedExperts and torch.distributed.checkpoint can reshard them
-    to any other layout."""
+    """The E/ep experts of this EP rank; forward sends each token to its expert's rank and back. The weights are
+    DTensors, Shard(0) over "ep": the plain model's shapes and names, which DCP can reshard to any layout."""
 
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
         nn.Module.__init__(self)  # not GroupedExperts.__init__: that would allocate all E experts
@@ -329,12 +255,12 @@ class ExpertParallelExperts(GroupedExperts):
 
     def forward(self, x_MD, counts_E, scale_M=None):
         group, ep = self.ep_mesh, self.ep_mesh.size()
-        # Dispatch, step 1: counts. Row p of send_counts_PL is what we send to peer p, one count per expert of p;
-        # row p of recv_counts_PL is what peer p sends us, one count per local expert.
+        # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
+        # recv_counts_PL is what peer p sends us, one count per local expert.
         send_counts_PL = counts_E.view(ep, -1)
         recv_counts_PL = funcol.all_to_all_single(send_counts_PL.flatten(), None, None, group).view(ep, -1)
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
-        # Dispatch, step 2: tokens (uneven splits; the backward is the reverse all-to-all).
+        # Then the tokens, in uneven splits (the backward is the reverse all-to-all).
         x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
         scale_R = None if scale_M is None else funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits,
                                                                                    group)
@@ -347,7 +273,7 @@ class ExpertParallelExperts(GroupedExperts):
                           self.down_proj.to_local(), self.impl,
                           None if scale_R is None else scale_R.index_select(0, order_R))
         y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
-        # Combine: results return to the ranks the tokens came from, in the order they were sent.
+        # Results return to the ranks the tokens came from, in the order they were sent.
         return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
 
 
@@ -360,24 +286,18 @@ def apply_ep(model: Transformer, mesh: DeviceMesh):
         moe.experts = ExpertParallelExperts(moe.experts, ep_mesh)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# FSDP2
-
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype = torch.float32):
-    """fully_shard per block and on the root: dense parameters over (dp_replicate, dp_shard), routed experts (their
-    own FSDP unit) over (dp_replicate, efsdp); plain FSDP where dp_replicate is 1."""
-    R, world = mesh["dp_replicate"].size(), mesh.size()
-    dense_mesh = _submesh(mesh, "dp_shard") if R == 1 else _submesh(mesh, "dp_replicate", "dp_shard")
-    expert_mesh = mesh["efsdp"] if R == 1 else mesh["dp_replicate", "efsdp"]
+    """fully_shard each block and the root over (dp_replicate, dp_shard), routed experts over (dp_replicate, efsdp)."""
+    replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
+    dense_mesh, expert_mesh = _submesh(mesh, *replicas, "dp_shard"), mesh[(*replicas, "efsdp")]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
             experts = fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
-            # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens
-            # of all ep peers (the all-to-all backward). Dividing by the world instead gives the global-batch mean,
-            # like the dense parameters (which FSDP averages over all world ranks).
-            experts.set_gradient_divide_factor(float(world))
+            # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens of
+            # all ep peers (the all-to-all backward): dividing by the world gives the global-batch mean, as dense.
+            experts.set_gradient_divide_factor(float(mesh.size()))
             if mesh.device_type == "cpu" and mesh["efsdp"].size() > 1:
                 # A custom factor reduce-scatters with PREMUL_SUM, which gloo lacks: sum, then divide. (Not with a
                 # single-rank efsdp: there torch 2.13 divides once in the copy and again after the sum.)
@@ -386,15 +306,11 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     fully_shard(model, mesh=dense_mesh, mp_policy=mp)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Activation checkpointing and compile
-
 def _ops(*names: str) -> set:
     """The named aten / c10d ops this torch build has (the attention kernels and collectives vary by version)."""
     found = set()
-    for name in names:
-        namespace, op, overload = name.split(".")
-        packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
+    for namespace, op, overload in (name.split(".") for name in names):
+        packet = getattr(getattr(torch.ops, namespace, None), op, None)
         if packet is not None and hasattr(packet, overload):
             found.add(getattr(packet, overload))
     return found
@@ -402,12 +318,10 @@ def _ops(*names: str) -> set:
 
 # Selective AC keeps what is expensive to recompute: matmul outputs (attention kernels included) and the EP
 # all-to-all outputs, so that recomputation issues no collective.
-_SAC_SAVE = _ops("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default",
-                 "aten._scaled_dot_product_flash_attention.default",
-                 "aten._scaled_dot_product_flash_attention_for_cpu.default",
-                 "aten._scaled_dot_product_efficient_attention.default",
-                 "aten._scaled_dot_product_cudnn_attention.default",
-                 "_c10d_functional.all_to_all_single.default", "_c10d_functional_autograd.all_to_all_single.default")
+_SAC_SAVE = _ops(*(f"aten.{op}.default" for op in (
+    "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention")),
+    "_c10d_functional.all_to_all_single.default", "_c10d_functional_autograd.all_to_all_single.default")
 if hasattr(torch._higher_order_ops, "flex_attention"):
     _SAC_SAVE.add(torch._higher_order_ops.flex_attention)
 
@@ -416,16 +330,9 @@ def _sac_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward, context_fn):
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-    return run
-
-
 def apply_ac(model: Transformer, mode: str):
-    """"full": recompute every block in backward; "selective": recompute all but matmuls and all-to-alls.
-    The block's forward is wrapped in place (no wrapper module), so state-dict names do not change."""
+    """"full": recompute every block in backward; "selective": recompute all but matmuls and all-to-alls. The
+    block's forward is wrapped in place (no wrapper module), so state-dict names do not change."""
     if mode not in AC_MODES:
         raise ValueError(f"ac={mode!r} is not one of {AC_MODES}.")
     if mode == "none":
@@ -433,66 +340,59 @@ def apply_ac(model: Transformer, mode: str):
     context_fn = noop_context_fn
     if mode == "selective":
         context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
-        # SAC replays the ops of the checkpointed region by count. The experts' FSDP hooks run inside the block and
-        # call profiler annotations a different number of times in forward and in recompute (torchtitan#3427,
-        # torch 2.13), so SAC must ignore those annotations, as it already ignores detach.
+        # SAC replays the region's ops by count, but the experts' FSDP hooks inside the block call profiler
+        # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
         SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
+
+    def checkpointed(forward):
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return run
     for block in model.layers.values():
-        block.forward = _checkpointed(block.forward, context_fn)
-
-
-# One Block.forward serves every layer, so dynamo compiles it once per kind of block (dense or MoE FFN, local or
-# global attention), grad mode (training, evaluation) and batch shape: more variants than its default limit of 8,
-# past which the rest would run eagerly.
-RECOMPILE_LIMIT = 64
+        block.forward = checkpointed(block.forward)
 
 
 def apply_compile(model: Transformer, backend: str = "inductor"):
     """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
     all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # One Block.forward serves every layer: dynamo compiles it per kind of block, grad mode and batch shape, more
+    # variants than its default limit of 8, past which the rest would run eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers.values():
         block.compile(backend=backend)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Putting it together
+def _draw_whole_keep_shard(tensor: torch.Tensor, init):
+    """DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded tensor
+    is drawn whole and this rank keeps its shard: the weights one process draws from the same seed."""
+    if not isinstance(tensor, DTensor):
+        return init(tensor)
+    whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
+    tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
 
-def parallelize(model: Transformer, mesh: DeviceMesh | None, layout: Layout, ac: str = "none",
-                compile: bool | str = False, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype = torch.float32) -> Transformer:
-    """Transform the plain model in place: EP, then AC, then compile, then FSDP (torchtitan's order: FSDP wraps
-    the checkpointed, compiled blocks). With mesh None (one process) only AC and compile apply. `compile`: True for
-    inductor, or a torch.compile backend name ("aot_eager" compiles fast on CPU, for tests)."""
-    if ac not in AC_MODES:
-        raise ValueError(f"ac={ac!r} is not one of {AC_MODES}.")
+
+def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
+                ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
+                seed: int = 0, state_copies: int = 1) -> Transformer:
+    """Build on meta; EP, AC, compile, then FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
+    in one process, mesh None, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
+    same weights whatever the layout. `compile`: True for inductor or a backend name ("aot_eager": fast, for tests).
+    On CPU a model whose shards times `state_copies` cannot fit in memory is refused first."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
     apply_ac(model, ac)
     if compile:
         apply_compile(model, "inductor" if compile is True else compile)
     if mesh is not None:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype)
-    return model
-
-
-def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
-                ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
-                seed: int = 0, state_copies: int = 1) -> Transformer:
-    """Build on the meta device, parallelize, allocate only this rank's shards on `device` and initialise them
-    from `seed`, the same weights whatever the layout; no rank ever holds the full model. On CPU, a model whose
-    shards times `state_copies` cannot fit in memory is refused first (check_host_memory)."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    parallelize(model, mesh, layout, ac=ac, compile=compile, param_dtype=param_dtype)
+        apply_fsdp(model, mesh, param_dtype)
     if device.type == "cpu":
         check_host_memory(model, state_copies)
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    # On CUDA, DTensor's RNG tracker draws each shard as its slice of one global stream. It is CUDA-only: on CPU each
-    # sharded tensor is drawn whole and this rank keeps its shard, so every layout starts from the weights one
-    # process draws from the same seed (one tensor at a time is whole, never the model).
     draw = _draw_whole_keep_shard if mesh is not None and device.type == "cpu" else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -500,54 +400,36 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     return model
 
 
-def _draw_whole_keep_shard(tensor: torch.Tensor, init):
-    if not isinstance(tensor, DTensor):
-        return init(tensor)
-    whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
-    tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
-
-
 # ------------------------------------------------------------------------------------------------------------------
-# Gradient norm
+# The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip all gradients to a total 2-norm of max_norm; return the norm before clipping. The norm is the true
-    global one: gradients live on different meshes (dense on (dp_replicate, dp_shard), experts on (dp_replicate,
-    efsdp, ep)), so each mesh's norm is reduced over its own shards (DTensor full_tensor) and then combined."""
+    """Clip all gradients to a total 2-norm of max_norm; return the norm before clipping. Gradients live on several
+    meshes (dense and experts), so each mesh's norm is reduced over its own shards, then they are combined."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     by_spec: dict = {}
     for g in grads:
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        by_spec.setdefault(key, []).append(g)
-    squares = []
-    for group in by_spec.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float().square())
-    total_norm = torch.stack(squares).sum().sqrt()
+        by_spec.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group, 2.0) for group in by_spec.values()]
+    total_norm = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float().square()
+                              for n in norms]).sum().sqrt()
     clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if clip < 1:  # a host sync (train_step reads the norm right after anyway); unclipped steps skip a pass
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views: scaling scales the grads
+        locals_ = [_local(g) for g in grads]  # views: scaling them scales the gradients
         torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
 
-
-# ------------------------------------------------------------------------------------------------------------------
-# The optimizer: AdamW, or Muon (orthogonalised momentum for the hidden matrices, AdamW for the rest) on shards
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
 
 
 def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Orthogonalise each matrix of a batch [X, O, F] (about U Vᵀ of its SVD: singular values pushed towards 1,
-    into about [0.5, 1.5]): divide by the matrix's Frobenius norm, so every singular value is at most 1, then `steps`
-    quintic Newton-Schulz iterations in `dtype` (default: the input's). Works on the wide orientation, Q <= W, so
-    the Gram matrices are the small ones, Q x Q; the operations are torch.optim.Muon's, batched."""
+    """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then `steps` quintic
+    iterations in `dtype` (default: the input's), turned wide so the Gram matrices are the small ones; batched."""
     a, b, c = coefficients
     w_XQW = u_XOF.to(dtype or u_XOF.dtype)
     tall = w_XQW.shape[-2] > w_XQW.shape[-1]
@@ -561,22 +443,10 @@ def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_
     return w_XQW.mT if tall else w_XQW
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard (the DTensor's own storage, so in-place updates reach the parameter), or t itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _chunk_rows(n: int, parts: int) -> list[int]:
-    """Rows of each shard when n rows are split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them."""
-    size = -(-n // parts)
-    return [max(0, min(size, n - r * size)) for r in range(parts)]
-
-
 def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
-    """How Muon reaches whole matrices of `p` (a matrix, or a stack [..., O, F] of matrices): None when this rank
-    holds whole matrices (a plain tensor, or a DTensor sharded only on stacking dims: the routed experts, split over
-    ep and then over efsdp on the expert dim), else (mesh, mesh dim) whose ranks each hold a block of rows (FSDP's
-    Shard(0) of a 2-D weight). Raises ValueError for anything else."""
+    """How Muon reaches whole matrices of `p` ([..., O, F]): None when this rank holds whole matrices (a plain tensor,
+    or a DTensor sharded only on stacking dims: the routed experts), else (mesh, mesh dim) whose ranks each hold a
+    block of rows (FSDP's Shard(0) of a 2-D weight). Raises ValueError for anything else."""
     if p.dim() < 2:
         raise ValueError(f"a parameter of shape {tuple(p.shape)} is in a Muon group, but Muon updates matrices "
                          f"(2-D, or stacks of them); put it in a group with muon=False (AdamW).")
@@ -600,25 +470,14 @@ def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for the param groups marked muon=True, AdamW for the others: one optimizer, so train.py calls one step()
-    and checkpoint.py saves one state dict keyed by parameter (momentum_buffer for Muon; step, exp_avg, exp_avg_sq
-    for AdamW, as torch.optim.AdamW), each state tensor a DTensor with its parameter's placements, so DCP reshards
-    it to any layout.
-
-    Muon on a matrix of shape [O, F] (fan-out x fan-in, nn.Linear's layout):
+    """Muon for the param groups marked muon=True, AdamW for the others: one step(), one state dict (momentum_buffer;
+    step, exp_avg, exp_avg_sq), each state tensor with its parameter's placements. torch.optim.Muon with
+    adjust_lr_fn="original", batched; on a matrix [O, F], with lr·lr_scale (lr_scale: Muon's peak on lr's schedule):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
-    which is torch.optim.Muon with adjust_lr_fn="original", batched over stacked matrices. Every group's
-    effective LR is lr·lr_scale: train.py sets the same scheduled lr in every group, and lr_scale (the Muon peak
-    over the AdamW peak) gives the Muon group its own peak on the same schedule.
-
-    Sharded parameters (see muon_layout): a rank that holds whole matrices (the routed experts) orthogonalises its
-    own, in batches of same-shaped matrices, with no communication at all; row-sharded matrices (FSDP's dense
-    weights) are dealt to the ranks of their shard group, balanced by size, and go in rounds of one matrix per rank:
-    an all-to-all brings each owner the rows of its matrix, the owner orthogonalises it, a second all-to-all returns
-    the rows. HSDP replicas repeat the same work on identical gradients. `gathered` records the last step on this
-    rank: the "elements" and "matrices" it assembled whole from the group's rows, and "peak", the most elements it
-    held assembled at once (one matrix)."""
+    Row-sharded matrices (FSDP's dense weights) are dealt to the ranks of their shard group, whole matrices (the
+    experts) stay. `gathered`, for this rank's last step: the "elements" and "matrices" it assembled whole, and
+    "peak", the most elements it held assembled at once (one matrix)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, ns_coefficients: tuple = NS_COEFFICIENTS,
@@ -631,14 +490,15 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
         self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
-        for group in self.param_groups:
-            if group["muon"]:
-                for p in group["params"]:
-                    muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
+        for p in (p for group in self.param_groups if group["muon"] for p in group["params"]):
+            muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        return self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     def _ns(self, u_XOF: torch.Tensor, group: dict) -> torch.Tensor:
-        dtype = self.ns_dtype or (torch.bfloat16 if u_XOF.is_cuda else torch.float32)
-        return newton_schulz(u_XOF, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], dtype)
+        return newton_schulz(u_XOF, group["ns_steps"], group["ns_coefficients"], group["ns_eps"],
+                             self._dtype(u_XOF.device))
 
     @staticmethod
     def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
@@ -655,54 +515,48 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
-        local, sharded = [], {}  # [(param, update, group)], and (mesh, mesh dim) -> [(param, its rows, group)]
+        by_layout = {}  # muon_layout -> [(param, update, group)]; None for whole matrices
         for group in self.param_groups:
             if not group["muon"]:
                 self._adamw(group)
                 continue
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            for p in (p for p in group["params"] if p.grad is not None):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 g, buf = _local(p.grad), _local(state["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                where = muon_layout(p)
-                if where is None:
-                    local.append((p, u, group))
-                else:
-                    sharded.setdefault(where, []).append((p, u, group))
-        self._orthogonalise_local(local)
-        for (mesh, mesh_dim), items in sharded.items():
+                by_layout.setdefault(muon_layout(p), []).append((p, u, group))
+        self._orthogonalise_local(by_layout.pop(None, []))
+        for (mesh, mesh_dim), items in by_layout.items():
             self._orthogonalise_sharded(items, mesh, mesh_dim)
         return loss
 
     def _orthogonalise_local(self, items: list):
-        """Whole matrices on this rank, no communication: same-shaped ones (every layer's q_proj, every local
-        expert's gate_up_proj) stacked into batches of up to batch_elements, one Newton-Schulz per batch (few large
-        kernels instead of many small ones)."""
-        by_kind: dict = {}
+        """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
+        open_batches: dict = {}  # kind of matrix -> [items, elements] of the batch being filled
+        batches = []
         for p, u, group in items:
+            u = u.reshape(-1, *u.shape[-2:])
             key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-            by_kind.setdefault(key, []).append((p, u.reshape(-1, *u.shape[-2:]), group))
-        for same in by_kind.values():
-            while same:
-                take, size = 0, 0
-                while take < len(same) and (take == 0 or size + same[take][1].numel() <= self.batch_elements):
-                    size += same[take][1].numel()
-                    take += 1
-                batch, same = same[:take], same[take:]
-                o_XOF = self._ns(torch.cat([u for _, u, _ in batch]), batch[0][2])
-                for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
-                    self._apply(p, o, group)
+            batch = open_batches.get(key)
+            if batch is None or batch[1] + u.numel() > self.batch_elements:
+                batch = open_batches[key] = [[], 0]
+                batches.append(batch[0])
+            batch[0].append((p, u, group))
+            batch[1] += u.numel()
+        for batch in batches:
+            o_XOF = self._ns(torch.cat([u for _, u, _ in batch]), batch[0][2])
+            for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
+                self._apply(p, o, group)
 
     def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
-        """Row-sharded matrices over one mesh dim: each rank of the group orthogonalises its share, one matrix per
-        round (all-to-all of rows in, Newton-Schulz, all-to-all of rows out)."""
+        """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, Newton-Schulz, out)."""
         group_pg, S, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        rows = [_chunk_rows(p.shape[0], S) for p, _, _ in items]
+        # Each shard's rows: split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them.
+        sizes = [-(-p.shape[0] // S) for p, _, _ in items]
+        rows = [[max(0, min(s, p.shape[0] - r * s)) for r in range(S)] for (p, _, _), s in zip(items, sizes)]
         for (p, u, _), r in zip(items, rows):
             if u.shape[0] != r[me]:
                 raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
@@ -714,15 +568,14 @@ class Muon(torch.optim.Optimizer):
             load[owner] += items[i][0].numel()
             owned[owner].append(i)
         device = items[0][1].device
-        dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = self._dtype(device)
+        nothing = torch.empty(0, dtype=dtype, device=device)
         for rnd in range(max(len(o) for o in owned)):
             todo = [o[rnd] if rnd < len(o) else None for o in owned]  # the matrix each rank orthogonalises now
-            send = [items[i][1].reshape(-1).to(dtype) if i is not None else torch.empty(0, dtype=dtype, device=device)
-                    for i in todo]
+            send = [items[i][1].reshape(-1).to(dtype) if i is not None else nothing for i in todo]
             send_splits = [t.numel() for t in send]
             mine = todo[me]
-            cols = items[mine][0].shape[1] if mine is not None else 0
-            recv_splits = [n * cols for n in rows[mine]] if mine is not None else [0] * S
+            recv_splits = [n * items[mine][0].shape[1] for n in rows[mine]] if mine is not None else [0] * S
             full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
@@ -740,42 +593,29 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw(self, group: dict):
         """torch's AdamW (its functional form, fused where asked) on this rank's shards."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
-            if not state:
-                # As torch.optim.AdamW: a CPU step count, or one on the parameter's device for the fused kernel.
-                state["step"] = torch.zeros((), dtype=torch.float32,
-                                            device=_local(p).device if group["fused"] else "cpu")
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            params.append(_local(p))
-            grads.append(_local(p.grad))
-            exp_avgs.append(_local(state["exp_avg"]))
-            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
-            steps.append(state["step"])
+            if not state:  # as torch.optim.AdamW: a CPU step count, or one on the parameter's device when fused
+                state["step"] = torch.zeros((), device=_local(p).device if group["fused"] else "cpu")
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
         if params:
-            beta1, beta2 = group["betas"]
-            adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=group["fused"] or None, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
+            states = [self.state[p] for p in params]
+            adamw([_local(p) for p in params], [_local(p.grad) for p in params],
+                  [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+                  [s["step"] for s in states], fused=group["fused"] or None, amsgrad=False, beta1=group["betas"][0],
+                  beta2=group["betas"][1], lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
 
 
 def build_optimizer(model, tc, fused: bool = True):
-    """--optimizer=adamw: AdamW; weight decay on matrices only (embeddings, projections, experts), not on norms.
-    --optimizer=muon: parallel.Muon with Muon at --muon_lr for the hidden matrices of every block, each
-    routed expert's two matrices orthogonalised separately, and AdamW at --lr for the embedding, the head, the norms
-    and the router: a small [E, D] matrix whose rows are the experts' score vectors, which orthogonalisation would
-    couple and equalise whatever each expert's load (AdamW keeps them independent).
-    `fused`: torch's one-pass AdamW kernel, on CUDA and CPU alike (on CPU torch would otherwise loop over the
-    tensors, and 256 experts per layer make that a large part of a small step)."""
+    """--optimizer=adamw: AdamW, weight decay on matrices only. --optimizer=muon: Muon at --muon_lr for the blocks'
+    hidden matrices, AdamW at --lr for the embedding, head, norms and router (orthogonalising its rows, the experts'
+    score vectors, would couple them). `fused`: torch's one-pass AdamW kernel, on CPU too (256 experts a layer)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
-        decay = [p for _, p in params if p.dim() >= 2]
-        no_decay = [p for _, p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+                  {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
     if tc.optimizer != "muon":
         raise ValueError(f"--optimizer={tc.optimizer} is not one of adamw, muon.")

@@ -1,5 +1,6 @@
 """parallel.py against a single-process run: 8 and 2 gloo processes on CPU train the same tiny model on the same global
-batch under several layouts (HSDP, EP, activation checkpointing) and must match one process step for step.
+batch under several layouts (HSDP, EP, activation checkpointing, compile, --keep_gathered) with train.py's own
+train_step, and must match one process step for step.
 
     python -m pytest tests/test_parallel.py -q
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
+import train
 from model import ModelConfig, Transformer
 from conftest import ranks_device, run_worker, torchrun
 
@@ -35,12 +37,13 @@ GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM, BIAS_STEP = 16, 32, 3, 1e-2, 1.0, 1e-2
 ADAM_EPS = 1e-3
 
 # Each run: world size, Layout kwargs, micro_batch (1 or 2 on 8 ranks: 2 or 1 accumulation steps), and optionally
-# ac, compile (a torch.compile backend) and no_sync (reduce gradients on the last micro-batch only, as train.py does).
+# ac, compile (a torch.compile backend) and keep_gathered (train.py's --keep_gathered). train_step all-reduces across
+# HSDP replicas on the last micro-batch only: the layouts with dp_replicate > 1 and 2 micro-batches check that.
 RUNS = {
-    "R1_S8_ep8": dict(world=8, layout=dict(dp_replicate=1, ep=8), micro_batch=1, no_sync=True),
+    "R1_S8_ep8": dict(world=8, layout=dict(dp_replicate=1, ep=8), micro_batch=1, keep_gathered=True),
     "R2_S4_ep4": dict(world=8, layout=dict(dp_replicate=2, ep=4), micro_batch=2),
     "R2_S4_ep2": dict(world=8, layout=dict(dp_replicate=2, ep=2), micro_batch=1),
-    "R4_S2_ep1": dict(world=8, layout=dict(dp_replicate=4, ep=1), micro_batch=1, no_sync=True),
+    "R4_S2_ep1": dict(world=8, layout=dict(dp_replicate=4, ep=1), micro_batch=1, keep_gathered=True),
     "R1_S2_ep2_full_ac": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=4, ac="full"),
     "R1_S2_ep2_selective_ac": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=8, ac="selective"),
     # ep=1 on 2 ranks: the experts' FSDP all-gather runs inside the selectively checkpointed block
@@ -55,46 +58,41 @@ def batches():
     return torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-@torch.no_grad()
-def update_expert_bias(model, counts_LE):
-    """The sign rule on the global batch's counts (a large step, so routing changes between steps)."""
-    for moe, counts_E in zip(model.moe_layers(), counts_LE.float()):
-        delta_E = BIAS_STEP * torch.sign(counts_E.mean() - counts_E)
-        moe.expert_bias += delta_E - delta_E.mean()
+def config(run=None):
+    """The TrainConfig of a run (one process: the whole global batch in one micro-batch): AdamW at a constant LR, the
+    sign rule with a large step (so routing changes between steps), fp32 throughout."""
+    run = run or dict(layout={}, micro_batch=GLOBAL_BATCH)
+    return train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=run["micro_batch"], seq_len=SEQ, lr=LR,
+                             grad_clip=MAX_NORM, balance="sign", sign_gamma=BIAS_STEP, doc_mask=False, dtype="fp32",
+                             ac=run.get("ac", "none"), compile=run.get("compile", False),
+                             keep_gathered=run.get("keep_gathered", False), **run["layout"])
 
 
-def train(model, tokens, rank, world, micro_batch, clip, all_reduce_sum_, no_sync=False):
-    """STEPS AdamW steps on this rank's slice of each global batch; returns the global mean losses, the gradient
-    norms and the tokens per expert of the global batch, per step, and the first step's full gradients (on CPU)."""
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
-    local_batch = GLOBAL_BATCH // world
-    accum = local_batch // micro_batch
+def train_steps(run, model, tokens):
+    """STEPS calls of train.train_step on this rank's slice of each global batch; returns the global losses, the
+    gradient norms and the global tokens per expert, per step, and the first step's full gradients (on CPU) as the
+    optimizer receives them: AdamW hides a wrongly scaled gradient, this does not."""
+    optimizer = parallel.build_optimizer(model, run.tc)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
     record = {"loss": [], "grad_norm": [], "counts": []}
-    for step in range(STEPS):
-        mine = tokens[step, rank * local_batch:(rank + 1) * local_batch]
-        loss_sum = torch.zeros((), device=device)
-        counts_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, dtype=torch.long, device=device)
-        for i in range(accum):
-            if no_sync:
-                model.set_requires_gradient_sync(i == accum - 1)
-            micro = mine[i * micro_batch:(i + 1) * micro_batch].to(device)
-            lm_loss, stats = model(micro[:, :-1], targets_BT=micro[:, 1:], return_stats=True)
-            loss = lm_loss + stats.balance_loss  # aux and z-losses: their gradients reach the router too
-            (loss / accum).backward()
-            loss_sum += loss.detach() / accum
-            counts_LE += stats.counts_LE
-        all_reduce_sum_(loss_sum)
-        all_reduce_sum_(counts_LE)
-        if step == 0:  # the first step's full gradients: AdamW hides a wrongly scaled gradient, this does not
+
+    def keep_first_grads(optimizer, args, kwargs):
+        if "grads" not in record:
             record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu().clone()
                                for n, p in model.named_parameters()}
-        record["grad_norm"].append(float(clip(model, MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-        update_expert_bias(model, counts_LE)
-        record["loss"].append(loss_sum.item() / world)
-        record["counts"].append(counts_LE.cpu())
+    optimizer.register_step_pre_hook(keep_first_grads)
+    state = train.TrainState.fresh(model, run.device)
+    local_batch = GLOBAL_BATCH // run.layout.world
+    for step in range(STEPS):
+        state.step = step
+        mine = tokens[step, run.rank * local_batch:(run.rank + 1) * local_batch]
+        out = train.train_step(model, optimizer, (mine[:, :-1], mine[:, 1:], torch.zeros_like(mine[:, 1:])), run.tc,
+                               run.autocast, state)
+        assert out["finite"]
+        record["loss"].append(out["loss"])
+        record["grad_norm"].append(out["grad_norm"])
+        record["counts"].append(out["counts_LE"].cpu())
     return record
 
 
@@ -105,15 +103,13 @@ def run_layout(name, init, tokens, rank, world, device):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0
-    run = RUNS[name]
-    layout = parallel.Layout(world, **run["layout"])
-    layout.check(CFG, GLOBAL_BATCH, run["micro_batch"])
+    run = train.Run.on(config(RUNS[name]), CFG, rank, world, device)  # checks the layout, as train.py does
+    layout = run.layout
     mesh = parallel.build_mesh(layout, device.type)
-    model = parallel.build_model(CFG, layout, mesh, device, ac=run.get("ac", "none"),
-                                 compile=run.get("compile", False))
+    model = parallel.build_model(CFG, layout, mesh, device, ac=run.tc.ac, compile=run.tc.compile)
     # torch 2.13 cannot trace fp32 grouped_mm on CPU (its fake kernel wants bf16); CUDA's grouped GEMM runs in bf16,
     # where each rank's partial sums would round apart from one process's whole sums.
-    if run.get("compile") or device.type == "cuda":
+    if run.tc.compile or device.type == "cuda":
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
 
@@ -133,8 +129,7 @@ def run_layout(name, init, tokens, rank, world, device):
         set_model_state_dict(model, sharded)
         gathered["dcp_loaded"] = get_model_state_dict(model, options=full_options)
     set_model_state_dict(model, dict(init), options=StateDictOptions(full_state_dict=True))  # it edits the dict
-    record = train(model, tokens, rank, world, run["micro_batch"], parallel.clip_grad_norm_, parallel.all_reduce_sum_,
-                   no_sync=run.get("no_sync", False))
+    record = train_steps(run, model, tokens)
     full = get_model_state_dict(model, options=full_options)
     if name == DCP_SAVE:
         dcp.save(get_model_state_dict(model), checkpoint_id=OUT / "dcp")
@@ -181,8 +176,7 @@ def runs(tmp_path_factory, request):
     if device.type == "cuda":  # as the ranks run them (run_layout)
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
-    reference = train(model, tokens, 0, 1, GLOBAL_BATCH,
-                      lambda m, max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm), lambda t: t)
+    reference = train_steps(train.Run.on(config(), CFG, 0, 1, device), model, tokens)
     reference["state_dict"] = {k: v.cpu() for k, v in model.state_dict().items()}
     reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
     reference["device"] = device
@@ -205,7 +199,7 @@ def test_training_matches_single_process(runs, name):
     for key, want in reference["grads"].items():  # every gradient, experts and dense, is the global-batch mean
         torch.testing.assert_close(run["grads"][key], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
     assert run["state_dict"].keys() == reference["state_dict"].keys()  # no wrapper names in the state dict
-    for key, want in reference["state_dict"].items():  # after 3 AdamW steps, expert bias included
+    for key, want in reference["state_dict"].items():  # after 3 train steps, expert bias included
         torch.testing.assert_close(run["state_dict"][key], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
