@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import heapq
 import importlib.metadata
 import json
 import math
@@ -601,13 +602,18 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # bench.py plan: memory, traffic and time for a layout, by arithmetic on a meta-device model
 
 # Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
-# (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs).
-GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50),    # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
-        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50),   # NVLink 4, 400 Gb/s NIC
-        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
-        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
+# (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
+GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50, 3.35),   # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
+        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50, 4.8),   # NVLink 4, 400 Gb/s NIC
+        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50, 8.0),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
+        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100, 8.0)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
 FIT_FRACTION = 0.9  # 10% left for the CUDA context, NCCL buffers, fragmentation, EP load imbalance
 AG, RS, AR, A2A = "FSDP all-gather", "FSDP reduce-scatter", "HSDP all-reduce across replicas", "EP all-to-all"
+MUON_A2A, NS, OPT_HBM = "Muon all-to-all", "optimizer Newton-Schulz", "optimizer memory passes"
+# HBM bytes per fp32 element of one optimizer step. Fused AdamW reads param, grad, m, v and writes param, m, v: 7 x 4.
+# Muon: momentum (read buf, grad; write buf), Nesterov (read grad, buf; write u), weight decay (read, write param),
+# the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
+ADAMW_BYTES, MUON_BYTES = 28, 44
 
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
@@ -648,11 +654,12 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
 @dataclasses.dataclass
 class Links:
     """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter`
-    (one NIC per GPU); `latency` seconds per step of a collective."""
+    (one NIC per GPU); `latency` seconds per step of a collective; `hbm` bytes/s of each GPU's own memory."""
     per_node: int = 8
     intra: float = 900e9
     inter: float = 100e9
     latency: float = 5e-6
+    hbm: float = 8e12
 
     def span(self, stride: int, size: int) -> tuple[int, int]:
         """(ranks per node, nodes) of `size` ranks `stride` apart (build_mesh's order: [dp_replicate, efsdp, ep])."""
@@ -707,7 +714,10 @@ def model_facts(cfg) -> dict:
     share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
     blocks = list(model.layers.values())
     shapes = lambda params: tuple(tuple(p.shape) for p in params)  # noqa: E731
+    muon = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon"), fused=False)
     _FACTS[repr(cfg)] = {
+        # Muon's 2-D matrices in its order (FSDP shards them by rows); the 3-D ones are the routed experts
+        "muon_dense": shapes(p for g in muon.param_groups if g["muon"] for p in g["params"] if p.dim() == 2),
         "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
         "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
         "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
@@ -717,6 +727,49 @@ def model_facts(cfg) -> dict:
                                 for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
         "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
     return _FACTS[repr(cfg)]
+
+
+@functools.lru_cache(maxsize=None)
+def ns_flops(shape: tuple, steps: int = 5) -> int:
+    """parallel.newton_schulz's matmul FLOPs on [..., O, F] turned Q x W (min, max) wide; per step A = X Xᵀ 2Q²W,
+    B = b·A + c·A·A 2Q³, X = a·X + B·X 2Q²W."""
+    *stack, O, F = shape
+    Q, W = min(O, F), max(O, F)
+    return math.prod(stack) * steps * (4 * Q * Q * W + 2 * Q ** 3)
+
+
+@functools.lru_cache(maxsize=None)
+def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
+    """parallel.Muon's deal of row-sharded matrices (shapes) to the S ranks of their FSDP group, largest first to the
+    least loaded rank (the lowest on ties), one matrix per rank a round: (FLOPs per rank, the sum over rounds of the
+    round's most, rounds)."""
+    heap, owned = [(0, r) for r in range(S)], [[] for _ in range(S)]
+    for i in sorted(range(len(hidden)), key=lambda i: -math.prod(hidden[i])):
+        load, r = heapq.heappop(heap)
+        owned[r].append(ns_flops(hidden[i]))
+        heapq.heappush(heap, (load + math.prod(hidden[i]), r))
+    rounds = max(map(len, owned))
+    return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
+
+
+def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
+    """parallel.Muon on each rank of an FSDP group (every replica repeats it): the dense matrices dealt over its S
+    ranks, each gathered whole on its owner by an all-to-all (in `c`-byte elements) and sent back by another, one
+    matrix a round; the E/ep experts' FSDP shards (whole experts) where they live. Newton-Schulz FLOPs per rank and
+    on the critical path (the ranks meet every round), the all-to-alls' bytes a rank sends (the mean: sent, over the
+    network) and seconds, and the elements Muon updates on the busiest rank."""
+    S, Fs, ep = layout.dp_shard, layout.efsdp, layout.ep
+    dense, dense_critical, rounds = muon_deal(hidden, S) if S > 1 else ([sum(map(ns_flops, hidden))], 0, 0)
+    L, per_expert = next((u[0][0] for u in experts if u), 0), sum(ns_flops(s[1:]) for u in experts for s in u)
+    chunk = -(-L // Fs)  # expert-FSDP rank j holds experts j*chunk .. (torch.chunk)
+    by_efsdp = [per_expert * max(0, min(chunk, L - j * chunk)) for j in range(Fs)]
+    flops = [dense[r] + by_efsdp[r // ep] for r in range(S)] if S > 1 else [dense[0] + by_efsdp[0]]
+    nbytes = c * shard(hidden, S) if S > 1 else 0  # the rows a rank holds go out, the rows it owns come back
+    return {"flops_by_rank": flops, "flops": max(flops), "flops_mean": sum(flops) / S,
+            "critical_flops": (max(by_efsdp) if S > 1 else flops[0]) + dense_critical,
+            "a2a_bytes": [2 * b for b in sent_bytes(nbytes, group, A2A)],
+            "a2a_s": 2 * rounds * links.all_to_all_s(nbytes / rounds, group) if nbytes else 0.0,
+            "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
 
 
 def fsdp_memory(world: int, params: int, full: dict, c: int, accum: int, grad_sync: str, keep_gathered: bool) -> dict:
@@ -757,12 +810,13 @@ def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c
 
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
          compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
-         links: Links | None = None, detail: bool = True) -> dict:
+         links: Links | None = None, optimizer: str = "adamw", detail: bool = True) -> dict:
     """Per-GPU memory (bytes), FLOPs per token and one optimizer step's collectives (bytes, seconds on `links`) for
     `cfg` on `layout` as parallel.py shards it: blocks' dense parameters and the root (embedding, final norm, head)
     over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and AdamW
     state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py does,
-    "last" holds unsharded gradients until the last. detail=False: the memory only (the search's first filter)."""
+    "last" holds unsharded gradients until the last; the `optimizer` step's work ("adamw" or "muon", parallel.py's)
+    follows. detail=False: the memory only (the search's first filter)."""
     layout.check(cfg, global_batch, micro_batch)
     facts, links = model_facts(cfg), links or Links()
     R, S, Fs, ep, c = layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep, compute_bytes
@@ -773,13 +827,17 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
             "experts": [Fs * shard(u, Fs) for u in experts]}
     memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered)
+    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
+              "ep": links.span(1, ep)}
+    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) if optimizer == "muon" else None
+    if muon:  # one momentum buffer instead of m, v
+        memory.pop("optimizer (AdamW m, v in fp32)")
+        memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon["elements"]
     acts = activation_bytes(cfg, seq, micro_batch, c, ep)
     memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
     if not detail:
         return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
 
-    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
-              "ep": links.span(1, ep)}
     root, blocks = (full["root"], 0), list(zip(full["blocks"], full["experts"]))
     made = {key: unit_collectives(cfg, layout, links, groups, c, micro_batch * seq, *key)
             for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
@@ -800,6 +858,11 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
             for kind, nbytes, group in made[key][part]:
                 for side, b in enumerate(sent_bytes(nbytes, group, kind)):
                     traffic[kind][side] += uses * n * b
+    step = muon or {"elements": 0}
+    step["hbm_bytes"] = ADAMW_BYTES * (params - step["elements"]) + MUON_BYTES * step["elements"]
+    step["hbm_s"] = step["hbm_bytes"] / links.hbm
+    if muon and muon["a2a_bytes"][0]:
+        traffic[MUON_A2A] = muon["a2a_bytes"]
     count = facts["params"]
     return {"world": layout.world, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep,
             "accumulation_steps": accum, "micro_batch": micro_batch, "seq": seq, "ac": ac,
@@ -809,7 +872,8 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
             "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
             "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES},
             "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
-            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()}, "groups": groups, "units": units}
+            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()}, "groups": groups, "units": units,
+            "optimizer": {"name": optimizer, **step}}
 
 
 class Timeline:
@@ -877,6 +941,19 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
             tl.comm(AR, u["all_reduce_s"], tl.compute_end)
 
 
+def optimizer_on(tl: Timeline, p: dict, flops_s: float):
+    """The optimizer step once the last reductions are in: Newton-Schulz and its all-to-alls (Muon), then the
+    elementwise passes at HBM speed."""
+    tl.compute(0.0, tl.link_end)
+    o = p["optimizer"]
+    for kind, seconds in ((NS, o.get("critical_flops", 0) / flops_s), (MUON_A2A, o.get("a2a_s", 0.0)),
+                          (OPT_HBM, o["hbm_s"])):
+        if seconds:
+            tl.compute(seconds, kind=kind)
+            if kind == MUON_A2A:
+                tl.link_s[kind] += seconds
+
+
 def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 17e12) -> dict:
     """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated for the others) and the last micro-batch on a
     timeline; step seconds, compute and exposed waits and link time by kind, tokens/s per GPU, MFU, days."""
@@ -885,7 +962,7 @@ def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 
     for i in range(min(accum, 3)):
         micro_batch_on(tl, p, flops_s, first=i == 0, last=i == min(accum, 3) - 1)
         marks.append((tl.compute_end, dict(tl.seconds), dict(tl.link_s)))
-    tl.compute(0.0, tl.link_end)  # the optimizer waits for the last reductions
+    optimizer_on(tl, p, flops_s)
     step_s, seconds, link_s = tl.compute_end, dict(tl.seconds), dict(tl.link_s)
     if accum > 3:  # the middle micro-batches repeat the second one
         more = accum - 3
@@ -896,10 +973,12 @@ def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 
     tokens = accum * p["micro_batch"] * p["seq"]  # per GPU per step
     mfu = p["flops_per_token"] * tokens / step_s / (peak_tflops * 1e12)
     return {"step_s": step_s, "seconds": seconds, "link_s": link_s, "tokens_per_s_per_gpu": tokens / step_s,
-            "mfu": mfu, "days": tokens_budget / (tokens * p["world"]) * step_s / 86400}
+            "mfu": mfu, "days": tokens_budget / (tokens * p["world"]) * step_s / 86400,
+            "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
 
 
-def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, flops_s: float, top: int = 5):
+def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, flops_s: float, top: int = 5,
+           optimizer: str = "adamw"):
     """The `top` fastest layouts train.py can run that fit (replicas, ep, micro-batch, AC, --keep_gathered), with the
     numbers tried and fitting."""
     peak, mem_gib = GPUS[gpu][:2]
@@ -912,7 +991,7 @@ def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, 
                     for keep in (False, True):
                         tried += 1
                         args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep,
-                                links)
+                                links, optimizer)
                         if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
                             p = plan(*args)
                             found.append((p, project(p, flops_s, peak)))
@@ -981,6 +1060,13 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
     for k, v in p["traffic_bytes_per_step"].items():
         print(f"  {k:40s} {v / 1e9:9.1f} GB ({p['network_bytes_per_step'][k] / 1e9:7.1f} GB over the network) "
               f"{t['link_s'].get(k, 0.0):7.2f} s")
+    o = r["optimizer_step"]
+    muon = (f"Newton-Schulz {o['muon_flops_per_gpu'] / 1e12:.1f} TFLOP on the busiest rank (mean "
+            f"{o['muon_flops_mean'] / 1e12:.1f}), {o['muon_seconds']:.3g} s on the ranks' critical path; all-to-all "
+            f"{o['muon_all_to_all_bytes_per_gpu'] / 1e9:.2f} GB, {o['muon_all_to_all_seconds']:.3g} s; ") \
+        if "muon_flops_per_gpu" in o else ""
+    print(f"optimizer step ({r['optimizer']}) per GPU: {muon}elementwise passes {o['hbm_bytes_per_gpu'] / 1e9:.1f} GB "
+          f"at {r['hbm_gb_s']:g} GB/s, {o['hbm_seconds']:.3g} s; {o['seconds']:.3g} s after the last reductions")
     print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
           f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
     for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
@@ -992,9 +1078,9 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
 
 
 def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
-    peak, mem_gib, nvlink_gbs, net_gbs = GPUS[args.gpu]
+    peak, mem_gib, nvlink_gbs, net_gbs, hbm_tbs = GPUS[args.gpu]
     links = Links(args.gpus_per_node, (args.nvlink_gbs or nvlink_gbs) * 1e9, (args.net_gbs or net_gbs) * 1e9,
-                  args.latency_us * 1e-6)
+                  args.latency_us * 1e-6, args.hbm_gbs * 1e9 or hbm_tbs * 1e12)
     tflops, rate_from = read_tflops(args.tflops) if args.tflops else (args.mfu * peak, f"{100 * args.mfu:g}% of peak")
     if tflops <= 0:
         raise ValueError(f"--tflops={args.tflops} must be above 0.")
@@ -1005,10 +1091,11 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
     result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": seq,
               "micro_batch": args.micro_batch, "global_batch": global_batch, "ac": args.ac, "grad_sync": args.grad_sync,
               "keep_gathered": tc.keep_gathered, "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9,
-              "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "compute_tflops": tflops}
+              "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "hbm_gb_s": links.hbm / 1e9,
+              "compute_tflops": tflops, "optimizer": tc.optimizer}
     try:
         p = plan(cfg, layout, seq, args.micro_batch, global_batch, args.ac, 2, args.grad_sync, tc.keep_gathered,
-                 links)
+                 links, tc.optimizer)
     except ValueError as e:
         return {**result, "fits": False, "reason": str(e), "exit": 2}
     t = project(p, tflops * 1e12, peak, args.tokens)
@@ -1023,9 +1110,16 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
                   step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
                   tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], tokens=args.tokens, days=t["days"],
                   fits=total_gib <= budget)
+    o = p["optimizer"]
+    result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"], "hbm_seconds":
+                                o["hbm_s"]} | ({"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
+                                                "muon_seconds": o["critical_flops"] / (tflops * 1e12),
+                                                "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0],
+                                                "muon_all_to_all_seconds": o["a2a_s"]} if "flops" in o else {})
     print_plan(result, p, t, links, layout.describe(cfg.n_experts), rate_from)
     if args.search:
-        best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12)
+        best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12,
+                                  optimizer=tc.optimizer)
         print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
               + ("" if best else " none; use more GPUs or a smaller model"))
         for i, (q, s) in enumerate(best):
@@ -1231,6 +1325,8 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
         add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: "
             "the GPU kind's default, h100/h200/b200 50, b300 100)")
         add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
+        add("--hbm_gbs", type=_bounded(float, 0), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
+            "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
         switch("--search", help="also list the five fastest layouts that fit (--search=false: skip)")
     else:
         warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import parallel
@@ -215,22 +216,26 @@ def test_one_gpu_steps_at_its_compute_rate():
         assert p["head_flops_per_token"] == 6 * CFG.vocab_size * CFG.dim  # the head is the rest of the FLOPs
         blocks = sum(u["flops"] for u in p["units"])
         t = bench.project(p, rate, peak, tokens_budget=8 * SEQ * 10)
-        assert t["step_s"] == pytest.approx(8 * SEQ * (p["flops_per_token"] + recompute * blocks / 3) / rate)
+        compute_s = 8 * SEQ * (p["flops_per_token"] + recompute * blocks / 3) / rate
+        # then fused AdamW: 28 bytes per fp32 parameter at the HBM's speed
+        assert t["step_s"] == pytest.approx(compute_s + 28 * p["params_per_gpu"] / bench.Links().hbm)
         assert t["days"] == pytest.approx(10 * t["step_s"] / 86400)
         if not recompute:
-            assert t["mfu"] == pytest.approx(rate / (peak * 1e12)) and set(t["seconds"]) == {"compute"}
+            assert t["mfu"] == pytest.approx(rate / (peak * 1e12) * compute_s / t["step_s"])
+            assert set(t["seconds"]) == {"compute", bench.OPT_HBM}
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_middle_micro_batches_repeat_as_a_whole_timeline_runs_them(keep):
+@pytest.mark.parametrize("keep, optimizer", [(False, "adamw"), (True, "adamw"), (False, "muon")])
+def test_middle_micro_batches_repeat_as_a_whole_timeline_runs_them(keep, optimizer):
     """project() times three micro-batches and repeats the middle one: the same step as all eight on one timeline,
     on links slow enough that communication spills from one micro-batch into the next."""
     links = bench.Links(per_node=8, intra=10e9, inter=1e7, latency=5e-6)
-    p = bench.plan(CFG, parallel.Layout(16, 2, 2), SEQ, 1, 16 * 8, keep_gathered=keep, links=links)
+    p = bench.plan(CFG, parallel.Layout(16, 2, 2), SEQ, 1, 16 * 8, keep_gathered=keep, links=links,
+                   optimizer=optimizer)
     tl = bench.Timeline()
     for i in range(8):
         bench.micro_batch_on(tl, p, 1e11, first=i == 0, last=i == 7)
-    tl.compute(0.0, tl.link_end)
+    bench.optimizer_on(tl, p, 1e11)
     t = bench.project(p, 1e11, 100.0)
     assert t["step_s"] == pytest.approx(tl.compute_end, rel=1e-9)
     assert t["seconds"] == pytest.approx(dict(tl.seconds), rel=1e-9)
@@ -287,10 +292,88 @@ def test_compute_rate_from_a_saved_bench_result(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# The optimizer step
+
+def muon_step_flops(model, optimizer) -> int:
+    """The matmul FLOPs torch counts in one step of `optimizer` on random gradients."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        optimizer.step()
+    return counter.get_total_flops()
+
+
+def test_muon_flops_are_the_newton_schulz_matmuls_a_real_step_runs(one_thread):
+    for shape in ((3, 24, 40), (3, 40, 24), (1, 16, 16)):  # wide, tall (turned wide), square
+        with FlopCounterMode(display=False) as counter:
+            parallel.newton_schulz(torch.randn(shape))
+        assert counter.get_total_flops() == bench.ns_flops(shape), shape
+    model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"))
+    optimizer = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon"), fused=False)
+    work = bench.plan(CFG, parallel.Layout(1), SEQ, MICRO_BATCH, GLOBAL_BATCH, compute_bytes=4,
+                      optimizer="muon")["optimizer"]
+    assert work["flops"] == work["critical_flops"] == muon_step_flops(model, optimizer) > 0
+
+
+class FusedAdamWBytes(TorchDispatchMode):
+    """HBM bytes of torch's fused AdamW kernel: it reads params, grads, m, v and writes params, m, v back."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._fused_adamw_.default:
+            self.bytes += sum(t.nbytes for i in (0, 1, 2, 3, 0, 2, 3) for t in args[i])
+        return func(*args, **(kwargs or {}))
+
+
+def test_adamw_moves_28_bytes_per_fp32_parameter_of_the_shard(one_thread):
+    model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"))
+    optimizer = parallel.build_optimizer(model, train.TrainConfig(), fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with FusedAdamWBytes() as counted:
+        optimizer.step()
+    p = bench.plan(CFG, parallel.Layout(1), SEQ, MICRO_BATCH, GLOBAL_BATCH, compute_bytes=4)
+    # params_per_gpu: the count test_plan_memory_matches_* checks against real FSDP shards
+    assert p["optimizer"]["hbm_bytes"] == counted.bytes == 28 * p["params_per_gpu"]
+    assert p["optimizer"]["hbm_s"] == counted.bytes / bench.Links().hbm
+
+
+def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
+    """large at the seed layout: each GPU orthogonalises its 2 whole experts of each of the 54 MoE layers and 1/128 of
+    the dense matrices (attention, dense FFN, shared expert), dealt over its FSDP group of 128."""
+    def ns(O, F):  # 5 steps of X Xᵀ (2Q²W), b·A + c·A·A (2Q³), B·X (2Q²W)
+        Q, W = min(O, F), max(O, F)
+        return 5 * (4 * Q * Q * W + 2 * Q ** 3)
+    D, Hd, Gd, I, Fd, E = 3072, 48 * 128, 8 * 128, 3072, 12288, 256
+    attention = ns(Hd, D) * 2 + ns(Gd, D) * 2 + ns(D, Hd)               # q, gate; k, v; o
+    dense = 60 * attention + 6 * (2 * ns(Fd, D) + ns(D, Fd)) + 54 * (2 * ns(I, D) + ns(D, I))
+    experts = 54 * E // 128 * (ns(2 * I, D) + ns(D, I))                 # gate_up [2I, D], down [D, I]
+    mean = experts + dense / 128
+    assert mean == pytest.approx(254.1e12, rel=1e-3)
+    code, adamw = run_json(capsys, SEED_LAYOUT + ["--ac=full"])
+    code, muon = run_json(capsys, SEED_LAYOUT + ["--ac=full", "--optimizer=muon"])
+    opt = muon["optimizer_step"]
+    assert code == 0 and opt["muon_flops_mean"] == pytest.approx(mean, rel=1e-12)
+    # Dealt by size, not FLOPs: the busiest rank does at most one more matrix (a dense FFN's) than the mean.
+    assert mean <= opt["muon_flops_per_gpu"] <= mean + ns(Fd, D)
+    assert opt["seconds"] == pytest.approx(opt["muon_seconds"] + opt["muon_all_to_all_seconds"] + opt["hbm_seconds"])
+    assert opt["muon_seconds"] == pytest.approx(opt["muon_flops_per_gpu"] / 900e12, rel=0.01)  # 40% of 2250
+    # AdamW streams 28 bytes per fp32 parameter of the GPU's shard at 8 TB/s; the step and the run grow by it.
+    assert adamw["optimizer_step"]["hbm_bytes_per_gpu"] == 28 * adamw["params_per_gpu"]
+    assert adamw["optimizer_step"]["seconds"] == pytest.approx(28 * adamw["params_per_gpu"] / 8e12)
+    assert muon["step_seconds"] - adamw["step_seconds"] == pytest.approx(opt["seconds"] - adamw["optimizer_step"][
+        "seconds"], rel=1e-6)
+    assert muon["days"] > adamw["days"] and muon["mfu"] < adamw["mfu"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Bytes on the wire: the planner's against the collectives of real train steps (4 gloo ranks)
 
 KINDS = {"c10d._allgather_base_": bench.AG, "c10d._reduce_scatter_base_": bench.RS, "c10d.allreduce_": bench.AR,
-         "_c10d_functional.all_to_all_single": bench.A2A}
+         "_c10d_functional.all_to_all_single": bench.A2A, "c10d.alltoall_base_": bench.MUON_A2A}
 
 
 def group_ranks(args) -> list[int]:
@@ -308,8 +391,9 @@ def group_ranks(args) -> list[int]:
 class Collectives(TorchDispatchMode):
     """The bytes this rank sends in every collective issued under it (backward included), by the standard ring
     accounting on the buffers the collective really got: (n-1)/n of an all-gather's output, of a reduce-scatter's
-    and an all-to-all's input, twice that of an all-reduce's. All-reduces count only over `replicas` (HSDP);
-    train_step's own sums of losses and expert counts run over every rank."""
+    and an all-to-all's input, twice that of an all-reduce's; Muon's all-to-alls, all but the rank's own split.
+    All-reduces count only over `replicas` (HSDP); train_step's own sums of losses and expert counts run over every
+    rank."""
 
     def __init__(self, replicas: list[int]):
         super().__init__()
@@ -325,6 +409,9 @@ class Collectives(TorchDispatchMode):
                 self.sent[kind] += args[1].nbytes * (n - 1) / n
             elif kind == bench.A2A:
                 self.sent[kind] += args[0].nbytes * (n - 1) / n
+            elif kind == bench.MUON_A2A:  # (output, input, group, output splits, input splits)
+                own = args[4][group_ranks(args).index(dist.get_rank())]
+                self.sent[kind] += (sum(args[4]) - own) * args[1].element_size()
             elif group_ranks(args) == self.replicas and n > 1:
                 self.sent[kind] += 2 * sum(t.nbytes for t in args[0]) * (n - 1) / n
         return func(*args, **(kwargs or {}))
@@ -361,7 +448,27 @@ def traffic_worker(out: Path):
                                                               for a, b in zip(weights, default))
         else:
             report[f"{replicas},{keep}"]["weights"] = weights
+    report["muon"] = muon_step_counted(world, device)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def muon_step_counted(world: int, device) -> dict:
+    """A train step with --optimizer=muon (FSDP over 4 ranks, ep=2): the Newton-Schulz FLOPs and the all-to-all bytes
+    of this rank's optimizer step."""
+    layout = parallel.Layout(world, 1, ep=2)
+    tc = train.TrainConfig(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, seq_len=SEQ, optimizer="muon")
+    model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
+    optimizer = parallel.build_optimizer(model, tc, fused=False)
+    counter, flops, step = Collectives([]), FlopCounterMode(display=False), optimizer.step
+
+    def counted_step():
+        with flops, counter:
+            step()
+    optimizer.step = counted_step
+    batch = bench.synthetic_batch(CFG.vocab_size, TRAFFIC_BATCH, SEQ, dist.get_rank(), world, 0)
+    train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), train.TrainState.fresh(
+        model, torch.device("cpu")))
+    return {"flops": flops.get_total_flops(), "sent": counter.sent[bench.MUON_A2A]}
 
 
 def test_planned_bytes_are_the_bytes_the_collectives_move_and_keep_gathered_trains_alike(tmp_path):
@@ -385,6 +492,13 @@ def test_planned_bytes_are_the_bytes_the_collectives_move_and_keep_gathered_trai
             for run, base in zip(runs, default):
                 assert run["sent"][bench.AG] < base["sent"][bench.AG] / 2
                 assert run["losses"] == base["losses"] and run["weight_diff"] == 0.0
+    # Muon: each rank's Newton-Schulz FLOPs exactly (the planner deals the dense matrices as parallel.Muon does).
+    muon = bench.plan(CFG, parallel.Layout(4, 1, 2), SEQ, TRAFFIC_MICRO, TRAFFIC_BATCH, compute_bytes=4,
+                      optimizer="muon")["optimizer"]
+    assert [report["muon"]["flops"] for report in reports] == muon["flops_by_rank"]
+    # A rank sends its rows of the matrices others own, then the whole of its own but its rows: uneven with what it
+    # owns; the planner's bytes are the mean.
+    assert sum(report["muon"]["sent"] for report in reports) / 4 == pytest.approx(muon["a2a_bytes"][0], rel=1e-12)
 
 
 if __name__ == "__main__":
