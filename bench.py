@@ -758,17 +758,17 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
     matrix a round; the E/ep experts' FSDP shards (whole experts) where they live. Newton-Schulz FLOPs per rank and
     on the critical path (the ranks meet every round), the all-to-alls' bytes a rank sends (the mean: sent, over the
     network) and seconds, and the elements Muon updates on the busiest rank."""
-    S, Fs, ep = layout.dp_shard, layout.efsdp, layout.ep
-    dense, dense_critical, rounds = muon_deal(hidden, S) if S > 1 else ([sum(map(ns_flops, hidden))], 0, 0)
+    S, Fs = layout.dp_shard, layout.efsdp
+    dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
     L, per_expert = next((u[0][0] for u in experts if u), 0), sum(ns_flops(s[1:]) for u in experts for s in u)
     chunk = -(-L // Fs)  # expert-FSDP rank j holds experts j*chunk .. (torch.chunk)
     by_efsdp = [per_expert * max(0, min(chunk, L - j * chunk)) for j in range(Fs)]
-    flops = [dense[r] + by_efsdp[r // ep] for r in range(S)] if S > 1 else [dense[0] + by_efsdp[0]]
-    nbytes = c * shard(hidden, S) if S > 1 else 0  # the rows a rank holds go out, the rows it owns come back
+    flops = [dense[r] + by_efsdp[r // layout.ep] for r in range(S)]
+    nbytes = c * shard(hidden, S)  # the rows a rank holds go out, the rows it owns come back
     return {"flops_by_rank": flops, "flops": max(flops), "flops_mean": sum(flops) / S,
-            "critical_flops": (max(by_efsdp) if S > 1 else flops[0]) + dense_critical,
+            "critical_flops": max(by_efsdp) + dense_critical,
             "a2a_bytes": [2 * b for b in sent_bytes(nbytes, group, A2A)],
-            "a2a_s": 2 * rounds * links.all_to_all_s(nbytes / rounds, group) if nbytes else 0.0,
+            "a2a_s": 2 * rounds * links.all_to_all_s(nbytes / rounds, group) if rounds else 0.0,
             "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
 
 
@@ -813,8 +813,8 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
          links: Links | None = None, optimizer: str = "adamw", detail: bool = True) -> dict:
     """Per-GPU memory (bytes), FLOPs per token and one optimizer step's collectives (bytes, seconds on `links`) for
     `cfg` on `layout` as parallel.py shards it: blocks' dense parameters and the root (embedding, final norm, head)
-    over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and AdamW
-    state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py does,
+    over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and
+    optimizer state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py does,
     "last" holds unsharded gradients until the last; the `optimizer` step's work ("adamw" or "muon", parallel.py's)
     follows. detail=False: the memory only (the search's first filter)."""
     layout.check(cfg, global_batch, micro_batch)
@@ -1060,13 +1060,13 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
     for k, v in p["traffic_bytes_per_step"].items():
         print(f"  {k:40s} {v / 1e9:9.1f} GB ({p['network_bytes_per_step'][k] / 1e9:7.1f} GB over the network) "
               f"{t['link_s'].get(k, 0.0):7.2f} s")
-    o = r["optimizer_step"]
+    o, s = r["optimizer_step"], t["seconds"]
     muon = (f"Newton-Schulz {o['muon_flops_per_gpu'] / 1e12:.1f} TFLOP on the busiest rank (mean "
-            f"{o['muon_flops_mean'] / 1e12:.1f}), {o['muon_seconds']:.3g} s on the ranks' critical path; all-to-all "
-            f"{o['muon_all_to_all_bytes_per_gpu'] / 1e9:.2f} GB, {o['muon_all_to_all_seconds']:.3g} s; ") \
-        if "muon_flops_per_gpu" in o else ""
+            f"{o['muon_flops_mean'] / 1e12:.1f}), {s[NS]:.3g} s on the ranks' critical path; all-to-all "
+            f"{o['muon_all_to_all_bytes_per_gpu'] / 1e9:.2f} GB, {s.get(MUON_A2A, 0.0):.3g} s; ") \
+        if r["optimizer"] == "muon" else ""
     print(f"optimizer step ({r['optimizer']}) per GPU: {muon}elementwise passes {o['hbm_bytes_per_gpu'] / 1e9:.1f} GB "
-          f"at {r['hbm_gb_s']:g} GB/s, {o['hbm_seconds']:.3g} s; {o['seconds']:.3g} s after the last reductions")
+          f"at {r['hbm_gb_s']:g} GB/s, {s[OPT_HBM]:.3g} s; {o['seconds']:.3g} s after the last reductions")
     print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
           f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
     for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
@@ -1110,12 +1110,10 @@ def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
                   step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
                   tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], tokens=args.tokens, days=t["days"],
                   fits=total_gib <= budget)
-    o = p["optimizer"]
-    result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"], "hbm_seconds":
-                                o["hbm_s"]} | ({"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
-                                                "muon_seconds": o["critical_flops"] / (tflops * 1e12),
-                                                "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0],
-                                                "muon_all_to_all_seconds": o["a2a_s"]} if "flops" in o else {})
+    o = p["optimizer"]  # its seconds by part are in seconds_per_step
+    result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
+        {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
+         "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
     print_plan(result, p, t, links, layout.describe(cfg.n_experts), rate_from)
     if args.search:
         best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12,
@@ -1309,7 +1307,7 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
         add("--global_batch", type=_bounded(int, 0), default=0, help="sequences per step (0: one per GPU)")
         add("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
         add("--gpu", choices=GPUS, default="b300",
-            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink and default network bandwidth")
+            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
         add("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
         add("--grad_sync", choices=("last", "every"), default="every",
             help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) | last (unsharded "

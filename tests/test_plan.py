@@ -359,11 +359,15 @@ def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
     assert code == 0 and opt["muon_flops_mean"] == pytest.approx(mean, rel=1e-12)
     # Dealt by size, not FLOPs: the busiest rank does at most one more matrix (a dense FFN's) than the mean.
     assert mean <= opt["muon_flops_per_gpu"] <= mean + ns(Fd, D)
-    assert opt["seconds"] == pytest.approx(opt["muon_seconds"] + opt["muon_all_to_all_seconds"] + opt["hbm_seconds"])
-    assert opt["muon_seconds"] == pytest.approx(opt["muon_flops_per_gpu"] / 900e12, rel=0.01)  # 40% of 2250
+    parts = muon["seconds_per_step"]
+    assert opt["seconds"] == pytest.approx(parts[bench.NS] + parts[bench.MUON_A2A] + parts[bench.OPT_HBM])
+    assert parts[bench.NS] == pytest.approx(opt["muon_flops_per_gpu"] / 900e12, rel=0.01)  # at 40% of 2250 TFLOP/s
     # AdamW streams 28 bytes per fp32 parameter of the GPU's shard at 8 TB/s; the step and the run grow by it.
     assert adamw["optimizer_step"]["hbm_bytes_per_gpu"] == 28 * adamw["params_per_gpu"]
     assert adamw["optimizer_step"]["seconds"] == pytest.approx(28 * adamw["params_per_gpu"] / 8e12)
+    code, slower = run_json(capsys, SEED_LAYOUT + ["--ac=full", "--hbm_gbs=4000"])
+    assert slower["hbm_gb_s"] == 4000 and slower["optimizer_step"]["seconds"] == pytest.approx(
+        2 * adamw["optimizer_step"]["seconds"])
     assert muon["step_seconds"] - adamw["step_seconds"] == pytest.approx(opt["seconds"] - adamw["optimizer_step"][
         "seconds"], rel=1e-6)
     assert muon["days"] > adamw["days"] and muon["mfu"] < adamw["mfu"]
