@@ -814,9 +814,9 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     """Per-GPU memory (bytes), FLOPs per token and one optimizer step's collectives (bytes, seconds on `links`) for
     `cfg` on `layout` as parallel.py shards it: blocks' dense parameters and the root (embedding, final norm, head)
     over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and
-    optimizer state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py does,
-    "last" holds unsharded gradients until the last; the `optimizer` step's work ("adamw" or "muon", parallel.py's)
-    follows. detail=False: the memory only (the search's first filter)."""
+    optimizer state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py
+    does, "last" holds unsharded gradients until the last; the `optimizer` step's work ("adamw" or "muon", as
+    parallel.py's) follows. detail=False: the memory only (the search's first filter)."""
     layout.check(cfg, global_batch, micro_batch)
     facts, links = model_facts(cfg), links or Links()
     R, S, Fs, ep, c = layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep, compute_bytes
@@ -829,7 +829,8 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered)
     groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
               "ep": links.span(1, ep)}
-    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) if optimizer == "muon" else None
+    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) if optimizer == "muon" \
+        else None
     if muon:  # one momentum buffer instead of m, v
         memory.pop("optimizer (AdamW m, v in fp32)")
         memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon["elements"]

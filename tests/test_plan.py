@@ -283,7 +283,10 @@ def test_compute_rate_from_a_saved_bench_result(capsys, tmp_path):
     flags = ["plan", "--preset=tiny", "--gpus=1", "--dp_replicate=1", "--ep=1", "--gpu=h200", "--search=false",
              "--json"]
     code, plan = run_json(capsys, flags + [f"--tflops={saved}"])
-    assert code == 0 and plan["compute_tflops"] == 450.0 and plan["mfu"] == pytest.approx(450 / 989)
+    busy = plan["seconds_per_step"]["compute"] / plan["step_seconds"]  # the rest: AdamW at the H200's 4.8 TB/s
+    assert code == 0 and plan["compute_tflops"] == 450.0 and plan["mfu"] == pytest.approx(450 / 989 * busy)
+    assert plan["step_seconds"] - plan["seconds_per_step"]["compute"] == pytest.approx(
+        28 * plan["params_per_gpu"] / 4.8e12)
     saved.write_text("not json\n")
     assert bench.main(flags + [f"--tflops={saved}"]) == 2
     assert "does not end with a bench.py --json result" in capsys.readouterr().err
