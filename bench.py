@@ -26,6 +26,7 @@ import difflib
 import functools
 import heapq
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -63,13 +64,11 @@ clock = CLOCKS["wall"]
 
 
 def timed_ms(fn, device: torch.device, read=None) -> float:
-    read = read or clock
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    read, sync = read or clock, torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
     t0 = read()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return (read() - t0) * 1e3
 
 
@@ -136,18 +135,11 @@ STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that ar
 def wrapped(targets):
     """Each (object, attribute, label) callable wrapped in a profiler range `bench::label` for the duration, as an
     instance attribute (the way parallel.apply_ac wraps block.forward)."""
-    def in_range(fn, name: str):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-        return run
-
     originals = []
     try:
         for obj, attr, label in targets:
             originals.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
-            setattr(obj, attr, in_range(originals[-1][3], SCOPE + label))
+            setattr(obj, attr, torch.profiler.record_function(SCOPE + label)(originals[-1][3]))
         yield
     finally:
         for obj, attr, own, fn in reversed(originals):
@@ -184,8 +176,7 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
     backward op to its forward op's (same sequence number); {label: {op or kernel: [calls, ms]}} (a component's
     fingerprint); the wall ms; {train_step phase: ms}."""
     on_device = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    activities += [torch.profiler.ProfilerActivity.CUDA] if on_device else []
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
         wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
 
@@ -273,8 +264,8 @@ def print_components(table: dict, wall_ms: float, say, what: str):
         f"forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
-        share = 100 * row["total"] / wall_ms
-        say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} {share:5.1f}%")
+        say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} "
+            f"{100 * row['total'] / wall_ms:5.1f}%")
     gap = wall_ms - sum(row["total"] for row in table.values())
     say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {gap:9.2f} {100 * gap / wall_ms:5.1f}%   of "
         f"{wall_ms:.1f} ms profiled")
@@ -907,6 +898,13 @@ class Timeline:
         self.seconds[kind] += seconds
         return start
 
+    def in_line(self, kind: str, seconds: float):
+        """Work on the compute stream, if any; an all-to-all there (experts wait for their tokens) is link time too."""
+        if seconds:
+            self.compute(seconds, kind=kind)
+            if kind in (A2A, MUON_A2A):
+                self.link_s[kind] += seconds
+
 
 def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
     """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
@@ -915,18 +913,12 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
     tokens, units = p["micro_batch"] * p["seq"], p["units"]
     gather, regather = first or not p["keep_gathered"], not p["keep_gathered"]
     recompute = 2 if p["ac"] == "full" else 1  # full AC runs each block's forward again in backward
-
-    def a2a(seconds):  # on the compute stream
-        if seconds:
-            tl.compute(seconds, kind=A2A)
-            tl.link_s[A2A] += seconds
-
     ready = [tl.comm(AG, units[0]["gather_s"], tl.compute_end) if gather else 0.0] + [0.0] * (len(units) - 1)
     for j, u in enumerate(units):
         start = tl.compute(u["flops"] / 3 * tokens / flops_s, ready[j])
         if gather and j + 1 < len(units):
             ready[j + 1] = tl.comm(AG, units[j + 1]["gather_s"], start)
-        a2a(u["a2a_fwd_s"])
+        tl.in_line(A2A, u["a2a_fwd_s"])
     tl.compute(p["head_flops_per_token"] * tokens / flops_s)  # the fused loss makes the head's gradients too
     blocks = units[:0:-1]
     ready = [tl.comm(AG, blocks[0]["gather_s"], tl.compute_end) if regather else 0.0] + [0.0] * len(blocks)
@@ -935,7 +927,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
             start = tl.compute(u["flops"] / 3 * (1 + recompute) * tokens / flops_s, ready[j])
             if regather and j + 1 < len(blocks):
                 ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
-            a2a((u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
+            tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
         if p["grad_sync"] == "every" or last:
             tl.comm(RS, u["reduce_s"], tl.compute_end)
         if last and p["dp_replicate"] > 1:
@@ -949,10 +941,7 @@ def optimizer_on(tl: Timeline, p: dict, flops_s: float):
     o = p["optimizer"]
     for kind, seconds in ((NS, o.get("critical_flops", 0) / flops_s), (MUON_A2A, o.get("a2a_s", 0.0)),
                           (OPT_HBM, o["hbm_s"])):
-        if seconds:
-            tl.compute(seconds, kind=kind)
-            if kind == MUON_A2A:
-                tl.link_s[kind] += seconds
+        tl.in_line(kind, seconds)
 
 
 def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 17e12) -> dict:
@@ -987,15 +976,14 @@ def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, 
     moe = cfg.n_dense_layers < cfg.n_layers
     for R in parallel._divisors(gpus):
         for ep in [e for e in parallel._divisors(gpus // R) if cfg.n_experts % e == 0] if moe else [1]:
-            for micro in parallel._divisors(global_batch // gpus):
-                for ac in parallel.AC_MODES:
-                    for keep in (False, True):
-                        tried += 1
-                        args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep,
-                                links, optimizer)
-                        if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
-                            p = plan(*args)
-                            found.append((p, project(p, flops_s, peak)))
+            for micro, ac, keep in itertools.product(parallel._divisors(global_batch // gpus), parallel.AC_MODES,
+                                                     (False, True)):
+                tried += 1
+                args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep, links,
+                        optimizer)
+                if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
+                    p = plan(*args)
+                    found.append((p, project(p, flops_s, peak)))
     found.sort(key=lambda f: (f[1]["step_s"], f[0]["memory_total_bytes"]))
     return found[:top], tried, len(found)
 
