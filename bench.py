@@ -171,10 +171,9 @@ def model_targets(model, blocks: bool = True) -> list:
 
 
 def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms}, each op's
-    self time charged to the innermost bench:: range (or train_step's grad clip, expert-bias ranges) around it, a
-    backward op to its forward op's (same sequence number); {label: {op or kernel: [calls, ms]}} (a component's
-    fingerprint); the wall ms; {train_step phase: ms}."""
+    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms} (an op's self
+    time charged to the innermost bench:: or step-label range around it, a backward op to its forward op's), {label:
+    {op or kernel: [calls, ms]}} (a component's fingerprint), the wall ms and {train_step phase: ms}."""
     on_device = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
@@ -609,9 +608,8 @@ ADAMW_BYTES, MUON_BYTES = 28, 44
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
     """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": plus the largest transient
-    (the head's chunk at the loss, or a block AC re-materialises)}. c bytes per compute element, flash-style attention
-    (no T x T matrix), balanced routing. Selective AC keeps the block input and the outputs of matmuls, attention and
-    all-to-alls (parallel._sac_policy); full AC the block input."""
+    (the head's chunk at the loss, or a block AC re-materialises)}; c bytes per element, flash attention, balanced
+    routing. Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
     D, H, G, Dh, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     E, K, I, Is = cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.expert_hidden * cfg.n_shared_experts
     Hd, Gd = H * Dh, G * Dh
@@ -731,9 +729,8 @@ def ns_flops(shape: tuple, steps: int = 5) -> int:
 
 @functools.lru_cache(maxsize=None)
 def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
-    """parallel.Muon's deal of row-sharded matrices (shapes) to the S ranks of their FSDP group, largest first to the
-    least loaded rank (the lowest on ties), one matrix per rank a round: (FLOPs per rank, the sum over rounds of the
-    round's most, rounds)."""
+    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks, largest first to the least loaded (lowest on
+    ties), one per rank a round: (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
     heap, owned = [(0, r) for r in range(S)], [[] for _ in range(S)]
     for i in sorted(range(len(hidden)), key=lambda i: -math.prod(hidden[i])):
         load, r = heapq.heappop(heap)
@@ -744,11 +741,9 @@ def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
 
 
 def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
-    """parallel.Muon on each rank of an FSDP group (every replica repeats it): the dense matrices dealt over its S
-    ranks, each gathered whole on its owner by an all-to-all (in `c`-byte elements) and sent back by another, one
-    matrix a round; the E/ep experts' FSDP shards (whole experts) where they live. Newton-Schulz FLOPs per rank and
-    on the critical path (the ranks meet every round), the all-to-alls' bytes a rank sends (the mean: sent, over the
-    network) and seconds, and the elements Muon updates on the busiest rank."""
+    """parallel.Muon on an FSDP group: dense matrices dealt over its S ranks, each gathered whole on its owner by an
+    all-to-all and sent back, one a round; expert shards where they live. Newton-Schulz FLOPs (per rank, critical
+    path), all-to-all bytes a rank sends (sent, over the network) and seconds, elements updated on the busiest rank."""
     S, Fs = layout.dp_shard, layout.efsdp
     dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
     L, per_expert = next((u[0][0] for u in experts if u), 0), sum(ns_flops(s[1:]) for u in experts for s in u)
@@ -802,12 +797,9 @@ def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c
 def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
          compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
          links: Links | None = None, optimizer: str = "adamw", detail: bool = True) -> dict:
-    """Per-GPU memory (bytes), FLOPs per token and one optimizer step's collectives (bytes, seconds on `links`) for
-    `cfg` on `layout` as parallel.py shards it: blocks' dense parameters and the root (embedding, final norm, head)
-    over dp_shard = S, routed experts (E/ep per EP rank) over efsdp = S/ep; fp32 master weights, gradients and
-    optimizer state, compute copies in `compute_bytes`. grad_sync "every" reduce-scatters each micro-batch as train.py
-    does, "last" holds unsharded gradients until the last; the `optimizer` step's work ("adamw" or "muon", as
-    parallel.py's) follows. detail=False: the memory only (the search's first filter)."""
+    """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`) and the
+    optimizer's work for `cfg` sharded as parallel.py does: dense parameters over dp_shard, routed experts (E/ep per
+    EP rank) over efsdp. grad_sync "last" holds unsharded gradients to the last micro-batch; detail=False: memory."""
     layout.check(cfg, global_batch, micro_batch)
     facts, links = model_facts(cfg), links or Links()
     R, S, Fs, ep, c = layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep, compute_bytes
@@ -855,11 +847,10 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     step["hbm_s"] = step["hbm_bytes"] / links.hbm
     if muon and muon["a2a_bytes"][0]:
         traffic[MUON_A2A] = muon["a2a_bytes"]
-    count = facts["params"]
     return {"world": layout.world, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep,
             "accumulation_steps": accum, "micro_batch": micro_batch, "seq": seq, "ac": ac,
-            "keep_gathered": keep_gathered, "grad_sync": grad_sync, "params_total": count["total"],
-            "params_active": count["active"], "params_per_gpu": params, "flops_per_token": model_flops,
+            "keep_gathered": keep_gathered, "grad_sync": grad_sync, "params_total": facts["params"]["total"],
+            "params_active": facts["params"]["active"], "params_per_gpu": params, "flops_per_token": model_flops,
             "head_flops_per_token": model_flops - sum(u["flops"] for u in units),  # the output head's matmuls
             "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
             "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES},
@@ -1004,10 +995,8 @@ def why_slower(t: dict, best: dict) -> str:
 
 def read_tflops(text: str) -> tuple[float, str]:
     """--tflops: a number, or a saved `bench.py --json` output whose last line gives tflops_per_device."""
-    try:
+    with contextlib.suppress(ValueError):
         return float(text), "given"
-    except ValueError:
-        pass
     if not os.path.isfile(text):
         raise ValueError(f"--tflops={text} is neither a number nor a file; pass TFLOP/s or a saved bench.py --json "
                          f"output.")
