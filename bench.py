@@ -64,7 +64,8 @@ clock = CLOCKS["wall"]
 
 
 def timed_ms(fn, device: torch.device, read=None) -> float:
-    read, sync = read or clock, torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    read = read or clock
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     sync(device)
     t0 = read()
     fn()
