@@ -144,8 +144,7 @@ def config_fields() -> list[str]:
 # Building blocks
 
 class _RMSNorm(torch.autograd.Function):
-    """weight * x / rms(x) in fp32, cast back; saves x and one scalar per row. The hand-written backward makes about
-    half the passes over x that autograd through the forward's ops would."""
+    """weight * x / rms(x), saving x and one scalar per row: about half the passes over x of autograd's backward."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -323,7 +322,6 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     for w in weights:  # the kernels need 16-byte aligned strides
         if any((s * w.element_size()) % 16 for s in w.shape[1:]):
             return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
-    return None
 
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
@@ -344,8 +342,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
     if impl == "rows":
-        expert_N = torch.repeat_interleave(torch.arange(len(counts_E), device=x_ND.device), counts_E,
-                                           output_size=len(x_ND))
+        expert_N = torch.arange(len(counts_E), device=x_ND.device).repeat_interleave(counts_E, output_size=len(x_ND))
         act_NI = swiglu(torch.bmm(gate_up_EHD[expert_N].to(dtype), x_ND.unsqueeze(-1)).squeeze(-1))
         return torch.bmm(down_EDI[expert_N].to(dtype), act_NI.unsqueeze(-1)).squeeze(-1)
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
