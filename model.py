@@ -305,8 +305,8 @@ class FeedForward(nn.Module):
 # ------------------------------------------------------------------------------------------------------------------
 # Mixture of experts
 
-# torch 2.11 may only have the private name. Its fake kernel takes only bf16 while the CPU kernel also runs fp32:
-# compiled fp32 runs it eagerly.
+# torch 2.11 may only have the private name. grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs
+# fp32: compiled fp32 runs it eagerly.
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _grouped_mm_eager = torch.compiler.disable(_grouped_mm) if _grouped_mm else None
 
@@ -515,9 +515,9 @@ def fp32_matmul_is_exact(device: torch.device) -> bool:
 
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(mean cross-entropy of h @ weight.T against targets (-100 ignored), valid rows), a chunk of rows at a time: the
-    [N, V] logits never exist whole. With grads also the summed loss's dh, dW from each chunk's exponentials E and row
-    sums s. Exact fp32: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]; rounding
-    matmuls take softmax - onehot in fp32 first (as F.cross_entropy), so a confident row's gradient stays exact."""
+    [N, V] logits never exist whole. grads adds the summed loss's dh, dW from each chunk's exponentials E and row sums
+    s. Exact fp32: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]; rounding matmuls
+    take softmax - onehot in fp32 first, so a confident row's gradient is not a difference of two rounded numbers."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
@@ -635,10 +635,8 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 draw(module.weight, lambda t, gain=module.init_gain: t.fill_(gain))
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                draw(module.weight, normal)
-            elif isinstance(module, GroupedExperts):
-                for w in (module.gate_up_proj, module.down_proj):
+            elif isinstance(module, (nn.Linear, nn.Embedding, GroupedExperts)):
+                for w in module.parameters(recurse=False):
                     draw(w, normal)
             elif isinstance(module, MoE):
                 draw(module.expert_bias, torch.Tensor.zero_)
@@ -669,7 +667,7 @@ class Transformer(nn.Module):
         if not return_stats:
             return out
         zero, E = torch.zeros((), device=x_BTD.device), self.cfg.n_experts
-        # Starting from no counts and zero losses: a model without MoE layers gets a [0, E] count and zero losses.
+        # Seeded with no counts and zero losses, so a model without MoE layers reports [0, E] counts and zero losses.
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
         return out, RouterStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z))
 
@@ -708,11 +706,11 @@ class Transformer(nn.Module):
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
                        f"global layers attend to more tokens than the model was trained on.")
-        cache, new_BTs = self.new_cache(S), [tokens_BT]
+        cache, steps = self.new_cache(S), [tokens_BT]  # the prompt, then a [B, 1] token per step
         with torch.compiler.set_stance("force_eager"):
             for _ in range(max_new_tokens):
-                new_BTs.append(sample_next(self(new_BTs[-1], cache=cache)[:, -1], temperature, top_k, top_p, allowed_V))
-        return torch.cat(new_BTs, dim=1).to(tokens_BT.dtype)
+                steps.append(sample_next(self(steps[-1], cache=cache)[:, -1], temperature, top_k, top_p, allowed_V))
+        return torch.cat(steps, dim=1).to(tokens_BT.dtype)
 
 
 def top_p_filter(logits_BV, top_p: float | None):
