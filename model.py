@@ -54,23 +54,19 @@ class ModelConfig:
     z_loss_coef: float = 1e-6       # router z-loss (larger destabilised Trinity Large)
 
     def __post_init__(self):
-        problems = [f"{name}={getattr(self, name)} must be at least 1" for name in
-                    ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "window", "global_every",
-                     "max_seq_len", "n_experts", "expert_hidden") if getattr(self, name) < 1]
-        problems += [f"{name}={getattr(self, name)} must be above 0" for name in
-                     ("init_std", "norm_eps", "rope_theta", "route_scale") if not getattr(self, name) > 0]
-        problems += [f"{name}={getattr(self, name)} must be 0 or more" for name in
-                     ("n_shared_experts", "aux_loss_coef", "z_loss_coef") if getattr(self, name) < 0]
-        if self.n_dense_layers and self.dense_hidden < 1:
-            problems.append(f"dense_hidden={self.dense_hidden} must be at least 1 when there are dense layers")
-        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if not 0 < self.top_k <= self.n_experts:
-            problems.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            problems.append(f"n_dense_layers={self.n_dense_layers} must be between 0 and n_layers={self.n_layers}")
-        if self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        checks = [  # (fields, fails(value), what a valid value is)
+            ("vocab_size dim n_layers n_heads n_kv_heads head_dim window global_every max_seq_len n_experts "
+             "expert_hidden", lambda v: v < 1, "at least 1"),
+            ("init_std norm_eps rope_theta route_scale", lambda v: not v > 0, "above 0"),
+            ("n_shared_experts aux_loss_coef z_loss_coef", lambda v: v < 0, "0 or more"),
+            ("dense_hidden", lambda v: self.n_dense_layers and v < 1, "at least 1 when there are dense layers"),
+            ("n_heads", lambda v: self.n_kv_heads >= 1 and v % self.n_kv_heads,
+             f"a multiple of n_kv_heads={self.n_kv_heads}"),
+            ("top_k", lambda v: not 0 < v <= self.n_experts, f"between 1 and n_experts={self.n_experts}"),
+            ("n_dense_layers", lambda v: not 0 <= v <= self.n_layers, f"between 0 and n_layers={self.n_layers}"),
+            ("head_dim", lambda v: v % 2, "even for rotary embeddings")]
+        problems = [f"{name}={getattr(self, name)} must be {rule}"
+                    for names, fails, rule in checks for name in names.split() if fails(getattr(self, name))]
         if problems:
             raise ValueError("Invalid ModelConfig: " + "; ".join(problems) + ".")
 
@@ -148,8 +144,7 @@ def config_fields() -> list[str]:
 # Building blocks
 
 class _RMSNorm(torch.autograd.Function):
-    """weight * x / rms(x) in fp32, cast back; saves x and one scalar per row. The hand-written backward makes about
-    half the passes over x that autograd through the forward's ops would."""
+    """weight * x / rms(x), saving x and one scalar per row: about half the passes over x of autograd's backward."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -310,9 +305,15 @@ class FeedForward(nn.Module):
 # ------------------------------------------------------------------------------------------------------------------
 # Mixture of experts
 
+# torch 2.11 may only have the private name. grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs
+# fp32: compiled fp32 runs it eagerly.
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_grouped_mm_eager = torch.compiler.disable(_grouped_mm) if _grouped_mm else None
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     """Why torch's grouped GEMM cannot run these operands, or None when it can."""
-    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+    if _grouped_mm is None:
         return f"torch {torch.__version__} has no grouped_mm"
     if x.device.type not in ("cpu", "cuda"):
         return f"grouped_mm is not available on {x.device.type}"
@@ -321,30 +322,18 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
     for w in weights:  # the kernels need 16-byte aligned strides
         if any((s * w.element_size()) % 16 for s in w.shape[1:]):
             return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
-    return None
-
-
-def _grouped_mm(x_ND, w_EDO, offs_E):
-    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm  # torch 2.11 may only have the private name
-    return fn(x_ND, w_EDO, offs=offs_E)
-
-
-# grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs fp32: compiled fp32 runs it eagerly.
-_grouped_mm_eager = torch.compiler.disable(_grouped_mm)
 
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
-    """SwiGLU of each expert on its slice of x (rows sorted by expert, counts_E each), activations times scale_N (the
-    gates) before the down projection. gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped"
-    (grouped GEMM), "loop" (one matmul per expert, the reference), "rows" (each row's weights gathered, one bmm) or
-    "auto": rows on CPU without grad when rows < experts (decoding), else grouped where it runs, else loop (warns)."""
-    if impl == "auto" and x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) < len(counts_E):
-        impl = "rows"
-    if impl == "auto":
-        why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
+    """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
+    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
+    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto" (see below)."""
+    if impl == "auto":  # rows when decoding on CPU (fewer rows than experts), else grouped where it runs, else loop
+        decoding = x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) < len(counts_E)
+        why_not = None if decoding else grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
             _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
-        impl = "loop" if why_not else "grouped"
+        impl = "rows" if decoding else "loop" if why_not else "grouped"
     dtype = x_ND.dtype
 
     def swiglu(gate_up_NH):
@@ -353,8 +342,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
     if impl == "rows":
-        expert_N = torch.repeat_interleave(torch.arange(len(counts_E), device=x_ND.device), counts_E,
-                                           output_size=len(x_ND))
+        expert_N = torch.arange(len(counts_E), device=x_ND.device).repeat_interleave(counts_E, output_size=len(x_ND))
         act_NI = swiglu(torch.bmm(gate_up_EHD[expert_N].to(dtype), x_ND.unsqueeze(-1)).squeeze(-1))
         return torch.bmm(down_EDI[expert_N].to(dtype), act_NI.unsqueeze(-1)).squeeze(-1)
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
@@ -367,8 +355,8 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     x_ND, gate_up_EHD, down_EDI = x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype), down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
-    act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs_E))
-    return mm(act_NI, down_EDI.transpose(-2, -1), offs_E).to(dtype)
+    act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs=offs_E))
+    return mm(act_NI, down_EDI.transpose(-2, -1), offs=offs_E).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -432,9 +420,7 @@ class MoE(nn.Module):
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         # Selection bias, updated by the balancing rule once per optimizer step, never by gradients.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
-        # Adding rows back into tokens: "index_add" (fastest on CPU), "gather" (no atomics: bitwise reproducible on
-        # CUDA), "auto" (gather on CUDA, index_add elsewhere).
-        self.combine = "auto"
+        self.combine = "auto"  # "index_add" (fastest on CPU), "gather" (no atomics: bitwise reproducible on CUDA)
 
     def route(self, x_ND):
         """(expert ids [N, K], gates [N, K], sigmoid scores [N, E], router logits [N, E]); fp32 even under autocast."""
@@ -528,11 +514,10 @@ def fp32_matmul_is_exact(device: torch.device) -> bool:
 
 
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
-    """Cross-entropy of h @ weight.T against targets (-100 ignored), a chunk of rows at a time: the [N, V] logits
-    never exist whole. Returns (mean loss, valid rows) and with grads the summed loss's gradients for h and weight,
-    from each chunk's exponentials E and row sums s. Exact fp32 matmuls: dh = E @ W / s - W[t], dW = E.T @ (h / s) -
-    onehot.T @ h, never dividing [rows, V]; matmuls that round take softmax - onehot in fp32 first, as F.cross_entropy
-    does, so a confident row's gradient is not the difference of two rounded numbers."""
+    """(mean cross-entropy of h @ weight.T against targets (-100 ignored), valid rows), a chunk of rows at a time: the
+    [N, V] logits never exist whole. grads adds the summed loss's dh, dW from each chunk's exponentials E and row sums
+    s. Exact fp32: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]; rounding matmuls
+    take softmax - onehot in fp32 first, so a confident row's gradient is not a difference of two rounded numbers."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
@@ -587,8 +572,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """head_cross_entropy whose forward keeps the gradients ([N, D], [V, D]) instead of any [N, V] tensor; backward
-    scales them in place by the upstream gradient over the valid rows."""
+    """Keeps head_cross_entropy's gradients ([N, D], [V, D]), never an [N, V] tensor; backward scales them in place."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
@@ -651,10 +635,8 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 draw(module.weight, lambda t, gain=module.init_gain: t.fill_(gain))
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                draw(module.weight, normal)
-            elif isinstance(module, GroupedExperts):
-                for w in (module.gate_up_proj, module.down_proj):
+            elif isinstance(module, (nn.Linear, nn.Embedding, GroupedExperts)):
+                for w in module.parameters(recurse=False):
                     draw(w, normal)
             elif isinstance(module, MoE):
                 draw(module.expert_bias, torch.Tensor.zero_)
@@ -684,11 +666,10 @@ class Transformer(nn.Module):
         out = self.head_loss(h_BTD, targets_BT) if targets_BT is not None and cache is None else self.head(h_BTD)
         if not return_stats:
             return out
-        counts, aux, z = zip(*routers) if routers else ((), (), ())
-        zero = torch.zeros((), device=x_BTD.device)
-        counts_LE = (torch.stack(counts) if counts
-                     else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64, device=x_BTD.device))
-        return out, RouterStats(counts_LE, sum(aux, zero), sum(z, zero))
+        zero, E = torch.zeros((), device=x_BTD.device), self.cfg.n_experts
+        # Seeded with no counts and zero losses, so a model without MoE layers reports [0, E] counts and zero losses.
+        counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
+        return out, RouterStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z))
 
     def head_loss(self, h_BTD, targets_BT):
         """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits."""
@@ -721,17 +702,15 @@ class Transformer(nn.Module):
         """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
         cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
         arguments. A sharded model's ranks must all call it with the same tokens and RNG state."""
-        B, T = tokens_BT.shape
-        if T + max_new_tokens > self.cfg.max_seq_len:
-            _warn_once(f"generating {T + max_new_tokens} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
+        S = tokens_BT.shape[1] + max_new_tokens
+        if S > self.cfg.max_seq_len:
+            _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
                        f"global layers attend to more tokens than the model was trained on.")
-        out_BS = torch.cat([tokens_BT, tokens_BT.new_empty(B, max_new_tokens)], dim=1)
-        cache, next_BT = self.new_cache(T + max_new_tokens), tokens_BT
+        cache, steps = self.new_cache(S), [tokens_BT]  # the prompt, then a [B, 1] token per step
         with torch.compiler.set_stance("force_eager"):
-            for t in range(T, T + max_new_tokens):
-                next_BT = sample_next(self(next_BT, cache=cache)[:, -1], temperature, top_k, top_p, allowed_V)
-                out_BS[:, t] = next_BT[:, 0]
-        return out_BS
+            for _ in range(max_new_tokens):
+                steps.append(sample_next(self(steps[-1], cache=cache)[:, -1], temperature, top_k, top_p, allowed_V))
+        return torch.cat(steps, dim=1).to(tokens_BT.dtype)
 
 
 def top_p_filter(logits_BV, top_p: float | None):
