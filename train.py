@@ -119,15 +119,20 @@ class TrainConfig:
     skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
-        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_RANGES[f.name][1]}" for f in fields(self)
-                    if f.name in FLAG_RANGES and not FLAG_RANGES[f.name][0](getattr(self, f.name))]
+        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_CHECKS[f.name][1]}" for f in fields(self)
+                    if f.name in FLAG_CHECKS and not FLAG_CHECKS[f.name][0](getattr(self, f.name))]
         if problems:
             raise ValueError("; ".join(problems) + ".")
+        log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
 
 
-# The numeric flags' valid ranges, checked when a TrainConfig is made (one sentence each, before anything runs).
+def _one_of(name: str, choices) -> tuple:
+    return name, lambda v: v in choices, "one of " + ", ".join(choices)
+
+
+# Each flag's valid values, checked when a TrainConfig is made: one sentence for all, before anything runs.
 # Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
-FLAG_RANGES = {name: (ok, requirement) for names, ok, requirement in [
+FLAG_CHECKS = {name: (ok, requirement) for names, ok, requirement in [
     ("steps log_every eval_batches keep_ckpts max_bad_steps", lambda v: v >= 1, "at least 1"),
     ("lr warmup_steps weight_decay muon_lr smebu_lambda sign_gamma", lambda v: v >= 0, "0 or more"),
     ("min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1"),
@@ -141,7 +146,12 @@ FLAG_RANGES = {name: (ok, requirement) for names, ok, requirement in [
     ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
     ("micro_batch", lambda v: v >= 0, "0 (global_batch / world size) or more"),
     ("ckpt_every", lambda v: v >= 0, "0 (only by time, at the end and on preemption) or more"),
-    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more")] for name in names.split()}
+    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more"),
+    _one_of("preset", PRESETS), _one_of("decay", ("cosine", "linear", "wsd")),
+    _one_of("balance", ("smebu", "sign", "none")), _one_of("ac", parallel.AC_MODES),
+    _one_of("dtype", ("auto", "bf16", "fp32")), _one_of("optimizer", ("adamw", "muon")),
+    _one_of("wandb_mode", ("auto", "online", "offline", "disabled")), _one_of("resume_schedule", ("keep", "stretch"))]
+    for name in names.split()}
 
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
@@ -210,16 +220,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     overrides = {k: args[k] for k in MODEL_FIELDS if args[k] is not None}
     try:
         tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig)})
-        log_sinks(tc.log_to)  # a sink without its package is refused here, before any data or model is touched
-    except ValueError as e:  # a numeric flag out of range (FLAG_RANGES), or --log_to
+    except ValueError as e:  # a value out of its range or choices (FLAG_CHECKS), or --log_to
         parser.error(str(e))
-    for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
-                          ("balance", ("smebu", "sign", "none")), ("ac", parallel.AC_MODES),
-                          ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon")),
-                          ("wandb_mode", ("auto", "online", "offline", "disabled")),
-                          ("resume_schedule", ("keep", "stretch"))):
-        if getattr(tc, name) not in allowed:
-            parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
     if tc.compile is None:
         tc = dataclasses.replace(tc, compile=parallel.use_cuda())
     return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
