@@ -449,10 +449,10 @@ def _logged_step(line: str) -> float:
 
 
 class MetricsSinks:
-    """The run's records, written by rank 0 (elsewhere every call does nothing): OUT_DIR/metrics.jsonl, and the
-    --log_to sinks at each record's step, numbers under their keys (None left out), per-MoE-layer lists as KEY/00, ...
-    A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead
-    launch's events past it (purge_step) and W&B continues the same run (its id kept in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
+    per-layer lists as KEY/00, ...). A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut
+    there, TensorBoard hides the dead launch's events past it (purge_step), W&B continues the same run (id in
+    OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
@@ -575,9 +575,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
                          f"to replace it.")
     if present and master:
         shutil.rmtree(root, ignore_errors=True)
-        for name in RUN_FILES[1:]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(tc.out_dir, name))
+        for name in set(present) - {"checkpoints"}:
+            os.remove(os.path.join(tc.out_dir, name))
     return tc, resume_from
 
 
@@ -712,17 +711,17 @@ class Loop:
         tc = run.tc
         self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
         (self.loader, self.val_loader), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
-        self.sinks = MetricsSinks(tc, resolved, state.step, run.master)  # metrics.jsonl cut at the step resumed
+        self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak, self.tokens_per_step = peak_tflops(run.device, tc.peak_tflops), tc.global_batch * tc.seq_len
         self.guard, self.ckpt_root = Guard(tc.step_timeout), os.path.join(tc.out_dir, "checkpoints")
         # The fault drills (a dying rank, a hung step) fire on the first launch only, so the restarted job can finish.
         self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
-        self.steps_since_log, self.start_step, self.ckpt_step, self.final = 0, state.step, 0, False
+        self.logged_step = self.start_step = state.step
+        self.ckpt_step, self.final = 0, False
 
     def train(self) -> dict:
-        """Every step to --steps (or a preemption), then finish."""
         for step in range(self.start_step, self.run.tc.steps):
             if self.step(step):
                 break
@@ -753,7 +752,6 @@ class Loop:
             self.complete()  # so a crash loses at most ckpt_every steps
         self.loader.step = step + 1
         self.guard.beat(step + 1)
-        self.steps_since_log += 1
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
@@ -825,8 +823,8 @@ class Loop:
         tc, device, out = self.run.tc, self.run.device, self.out
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = (time.time() - self.t_last) / self.steps_since_log
-        self.t_last, self.steps_since_log = time.time(), 0
+        dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)
+        self.t_last, self.logged_step = time.time(), step + 1
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
