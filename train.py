@@ -546,9 +546,6 @@ class Guard:
 
 # --- the run's output directory: one run per OUT_DIR, checked before anything heavy
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json")
-
-
 def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
     """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another run
     there: --resume=auto or one of its checkpoints continues it, --overwrite replaces it, a job torchrun restarted
@@ -568,7 +565,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     resume_from = None if tc.resume == "none" else tc.resume
     if resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root)):
         return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
-    present = [name for name in RUN_FILES if os.path.exists(os.path.join(tc.out_dir, name))]
+    present = [name for name in ("checkpoints", "metrics.jsonl", "config.json")
+               if os.path.exists(os.path.join(tc.out_dir, name))]
     if present and not tc.overwrite:
         raise ValueError(f"--out_dir={tc.out_dir} holds another run ({', '.join(present)}), which a new run would mix "
                          f"with or delete; continue it with --resume=auto, choose a new --out_dir, or pass --overwrite "
