@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,7 @@ class TrainConfig:
     ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
     ac: str = _flag("none", "activation checkpointing: none | full | selective")
     keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
-                                       "one all-gather per step instead of two per micro-batch, for the memory of "
-                                       "the unsharded model")
+                                       "one all-gather per step, not two per micro-batch, for the whole model's memory")
     compile: bool | None = _flag(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     # logging and evaluation
@@ -119,15 +119,20 @@ class TrainConfig:
     skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
-        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_RANGES[f.name][1]}" for f in fields(self)
-                    if f.name in FLAG_RANGES and not FLAG_RANGES[f.name][0](getattr(self, f.name))]
+        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_CHECKS[f.name][1]}" for f in fields(self)
+                    if f.name in FLAG_CHECKS and not FLAG_CHECKS[f.name][0](getattr(self, f.name))]
         if problems:
             raise ValueError("; ".join(problems) + ".")
+        log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
 
 
-# The numeric flags' valid ranges, checked when a TrainConfig is made (one sentence each, before anything runs).
+def _one_of(name: str, choices) -> tuple:
+    return name, lambda v: v in choices, "one of " + ", ".join(choices)
+
+
+# Each flag's valid values, checked when a TrainConfig is made: one sentence for all, before anything runs.
 # Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
-FLAG_RANGES = {name: (ok, requirement) for names, ok, requirement in [
+FLAG_CHECKS = {name: (ok, requirement) for names, ok, requirement in [
     ("steps log_every eval_batches keep_ckpts max_bad_steps", lambda v: v >= 1, "at least 1"),
     ("lr warmup_steps weight_decay muon_lr smebu_lambda sign_gamma", lambda v: v >= 0, "0 or more"),
     ("min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1"),
@@ -141,7 +146,12 @@ FLAG_RANGES = {name: (ok, requirement) for names, ok, requirement in [
     ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
     ("micro_batch", lambda v: v >= 0, "0 (global_batch / world size) or more"),
     ("ckpt_every", lambda v: v >= 0, "0 (only by time, at the end and on preemption) or more"),
-    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more")] for name in names.split()}
+    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more"),
+    _one_of("preset", PRESETS), _one_of("decay", ("cosine", "linear", "wsd")),
+    _one_of("balance", ("smebu", "sign", "none")), _one_of("ac", parallel.AC_MODES),
+    _one_of("dtype", ("auto", "bf16", "fp32")), _one_of("optimizer", ("adamw", "muon")),
+    _one_of("wandb_mode", ("auto", "online", "offline", "disabled")), _one_of("resume_schedule", ("keep", "stretch"))]
+    for name in names.split()}
 
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
@@ -204,22 +214,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
         config_path = parser.parse_known_args(argv)[0].config
         if config_path:  # the file's values become the defaults, so that flags on the command line win
             parser.set_defaults(**read_config(config_path, kinds))
-    except ValueError as e:
-        parser.error(str(e))
-    args = vars(parser.parse_args(argv))
-    overrides = {k: args[k] for k in MODEL_FIELDS if args[k] is not None}
-    try:
+        args = vars(parser.parse_args(argv))
         tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig)})
-        log_sinks(tc.log_to)  # a sink without its package is refused here, before any data or model is touched
-    except ValueError as e:  # a numeric flag out of range (FLAG_RANGES), or --log_to
+    except ValueError as e:  # a bad config file, a value out of its range or choices (FLAG_CHECKS), or --log_to
         parser.error(str(e))
-    for name, allowed in (("preset", PRESETS), ("decay", ("cosine", "linear", "wsd")),
-                          ("balance", ("smebu", "sign", "none")), ("ac", parallel.AC_MODES),
-                          ("dtype", ("auto", "bf16", "fp32")), ("optimizer", ("adamw", "muon")),
-                          ("wandb_mode", ("auto", "online", "offline", "disabled")),
-                          ("resume_schedule", ("keep", "stretch"))):
-        if getattr(tc, name) not in allowed:
-            parser.error(f"--{name}={getattr(tc, name)} is not one of {', '.join(allowed)}")
+    overrides = {k: args[k] for k in MODEL_FIELDS if args[k] is not None}
     if tc.compile is None:
         tc = dataclasses.replace(tc, compile=parallel.use_cuda())
     return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
@@ -393,7 +392,8 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
     losses /= world_size()
     with phase("grad clip"):
         grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    finite = bool(torch.isfinite(torch.cat([grad_norm.reshape(1).to(losses), losses])).all())  # one host read
+    lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read
+    finite = all(map(math.isfinite, (lm, aux, z, norm)))
     if finite:
         with phase("optimizer"):
             optimizer.step()
@@ -407,7 +407,6 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
             for l, moe in enumerate(layers):
                 update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
                                    tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
-    lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read for the metrics
     return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
             "counts_LE": counts_LE}
 
@@ -450,39 +449,34 @@ def _logged_step(line: str) -> float:
 
 
 class MetricsSinks:
-    """The run's records, written by rank 0 (elsewhere every call does nothing): OUT_DIR/metrics.jsonl, and the
-    --log_to sinks at each record's step, numbers under their keys (None left out), per-MoE-layer lists as KEY/00, ...
-    A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead
-    launch's events past it (purge_step) and W&B continues the same run (its id kept in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
+    per-layer lists as KEY/00, ...). A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut
+    there, TensorBoard hides the dead launch's events past it (purge_step), W&B continues the same run (id in
+    OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
-        self.path = os.path.join(tc.out_dir, "metrics.jsonl") if master else None
+        self.path = Path(tc.out_dir, "metrics.jsonl") if master else None
         if not master:
             return
-        with open(os.path.join(tc.out_dir, "config.json"), "w") as f:
-            json.dump(resolved, f, indent=1)
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if _logged_step(line) <= start_step]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
+        Path(tc.out_dir, "config.json").write_text(json.dumps(resolved, indent=1))
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines(True) if _logged_step(line) <= start_step]
+            cut = Path(f"{self.path}.tmp")
+            cut.write_text("".join(kept))
+            cut.replace(self.path)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(os.path.join(tc.out_dir, "tensorboard"), purge_step=start_step + 1)
         if "wandb" in names:
             import wandb
-            id_path, run_id = os.path.join(tc.out_dir, "wandb_run_id"), None
-            if os.path.exists(id_path):
-                with open(id_path) as f:
-                    run_id = f.read().strip()
+            id_file = Path(tc.out_dir, "wandb_run_id")
+            run_id = id_file.read_text().strip() if id_file.exists() else None
             self.wandb = wandb.init(project=tc.wandb_project, id=run_id, resume="allow", dir=tc.out_dir,
                                     config=resolved, allow_val_change=True,  # a restart may extend --steps
                                     mode=None if tc.wandb_mode == "auto" else tc.wandb_mode)
-            with open(id_path, "w") as f:
-                f.write(self.wandb.id)
+            id_file.write_text(self.wandb.id)
 
     def write(self, record: dict):
         if self.path is None:
@@ -552,9 +546,6 @@ class Guard:
 
 # --- the run's output directory: one run per OUT_DIR, checked before anything heavy
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json")
-
-
 def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
     """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another run
     there: --resume=auto or one of its checkpoints continues it, --overwrite replaces it, a job torchrun restarted
@@ -572,19 +563,18 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     if tc.resume == "auto":
         return tc, root if checkpoint.latest(root) else None
     resume_from = None if tc.resume == "none" else tc.resume
-    as_dir = lambda path: os.path.join(os.path.abspath(path), "")  # noqa: E731  (a prefix of every path inside)
-    if resume_from and as_dir(resume_from).startswith(as_dir(root)):
+    if resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root)):
         return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
-    present = [name for name in RUN_FILES if os.path.exists(os.path.join(tc.out_dir, name))]
+    present = [name for name in ("checkpoints", "metrics.jsonl", "config.json")
+               if os.path.exists(os.path.join(tc.out_dir, name))]
     if present and not tc.overwrite:
         raise ValueError(f"--out_dir={tc.out_dir} holds another run ({', '.join(present)}), which a new run would mix "
                          f"with or delete; continue it with --resume=auto, choose a new --out_dir, or pass --overwrite "
                          f"to replace it.")
     if present and master:
         shutil.rmtree(root, ignore_errors=True)
-        for name in RUN_FILES[1:]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(tc.out_dir, name))
+        for name in set(present) - {"checkpoints"}:
+            os.remove(os.path.join(tc.out_dir, name))
     return tc, resume_from
 
 
@@ -603,6 +593,9 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
         if dist.is_initialized():
             dist.broadcast_object_list(run_id, src=0)
         resolved["run_id"] = run_id[0]
+        if tc.skew_router:  # the collapse drill: a fresh run's router on the first 2*top_k experts of every layer
+            for moe in model.moe_layers():
+                moe.expert_bias[: 2 * model.cfg.top_k] += tc.skew_router
         return tc
     state.load(saved)
     loader.load_state_dict(saved["data"])
@@ -658,8 +651,8 @@ class Run:
 
 
 def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
-    """Ranks, OUT_DIR (one run per directory), the data, the model config and the layout. Returns the run, the
-    data's manifest and what to resume from (prepare_out_dir)."""
+    """Ranks, OUT_DIR (one run per directory), the data, the model config and the layout. Returns the run, its config
+    as config.json and every checkpoint keep it (resume adds the run id), and what to resume from (prepare_out_dir)."""
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
     tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
     torch.manual_seed(tc.seed)
@@ -674,7 +667,10 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
         data.check_vocabulary(manifest, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, manifest["vocab_size"])
-    return Run.on(tc, cfg, rank, world, device), manifest, resume_from
+    resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
+                "tokenizer": {"name": manifest["tokenizer"],
+                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
+    return Run.on(tc, cfg, rank, world, device), resolved, resume_from
 
 
 def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
@@ -682,13 +678,6 @@ def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
     tc = run.tc
     return tuple(data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
                                  vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in ("train", "val"))
-
-
-def resolved_config(run: Run, manifest: dict) -> dict:
-    """The run's config as config.json and every checkpoint keep it (resume adds the run id)."""
-    return {"train": dataclasses.asdict(run.tc), "model": dataclasses.asdict(run.cfg), "world_size": run.layout.world,
-            "tokenizer": {"name": manifest["tokenizer"],
-                          "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
 
 
 def build(run: Run, copies: int | None = None):
@@ -710,55 +699,32 @@ def flops_per_token(run: Run) -> float:
     return flops
 
 
-class Drills:
-    """Faults a run injects on purpose to show it survives them. A dying rank (torchrun restarts the job, which
-    resumes) and a hung step (the watchdog) happen on the first launch only, so the restarted job can finish; a NaN
-    loss tests the non-finite guard, a skewed router the expert balancing."""
-
-    def __init__(self, run: Run):
-        self.run, self.tc = run, run.tc
-        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-
-    def skew_router(self, model):
-        """A fresh run's router collapsed onto the first 2*top_k experts of every MoE layer (a resume overwrites it)."""
-        if self.tc.skew_router:
-            for moe in model.moe_layers():
-                moe.expert_bias[: 2 * self.run.cfg.top_k] += self.tc.skew_router
-
-    def before_step(self, step: int) -> bool:
-        """Hangs the --stall_at_step step; True if this step's loss is to be NaN."""
-        if step == self.tc.stall_at_step and self.first_launch:
-            time.sleep(10 * self.tc.step_timeout + 60)
-        return step == self.tc.nan_at_step
-
-    def after_step(self, step: int):
-        rank = self.run.rank
-        if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
-            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
     preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row. A checkpoint write that fails
     (a full disk) is said in one line and the run goes on from the previous one; the final one's failure is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
-                 sinks: MetricsSinks, flops_per_token: float, drills: Drills):
+                 flops_per_token: float):
+        tc = run.tc
         self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
-        (self.loader, self.val_loader), self.resolved, self.sinks, self.drills = loaders, resolved, sinks, drills
-        self.flops_per_token, self.peak = flops_per_token, peak_tflops(run.device, run.tc.peak_tflops)
-        self.tokens_per_step = run.tc.global_batch * run.tc.seq_len
-        self.guard, self.ckpt_root = Guard(run.tc.step_timeout), os.path.join(run.tc.out_dir, "checkpoints")
+        (self.loader, self.val_loader), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
+        self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
+        self.peak, self.tokens_per_step = peak_tflops(run.device, tc.peak_tflops), tc.global_batch * tc.seq_len
+        self.guard, self.ckpt_root = Guard(tc.step_timeout), os.path.join(tc.out_dir, "checkpoints")
+        # The fault drills (a dying rank, a hung step) fire on the first launch only, so the restarted job can finish.
+        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
-        self.steps_since_log, self.start_step, self.ckpt_step, self.final = 0, state.step, 0, False
+        self.logged_step = self.start_step = state.step
+        self.ckpt_step, self.final = 0, False
 
-    def train(self):
+    def train(self) -> dict:
         for step in range(self.start_step, self.run.tc.steps):
             if self.step(step):
                 break
         self.complete()
+        return self.finish()
 
     def step(self, step: int) -> bool:
         """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
@@ -767,9 +733,11 @@ class Loop:
         lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        poison = self.drills.before_step(step)
+        if step == tc.stall_at_step and self.first_launch:  # the hang drill, for the watchdog
+            time.sleep(10 * tc.step_timeout + 60)
         batch = self.loader.batch(step)
-        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, poison=poison)
+        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state,
+                                    poison=step == tc.nan_at_step)  # the NaN drill, for the non-finite guard
         # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write in flight on any
         # rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of the data
         # stream, for metrics.jsonl; float64 keeps integers below 2**53 exact).
@@ -782,7 +750,6 @@ class Loop:
             self.complete()  # so a crash loses at most ckpt_every steps
         self.loader.step = step + 1
         self.guard.beat(step + 1)
-        self.steps_since_log += 1
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
@@ -802,7 +769,9 @@ class Loop:
             run.say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
                     f"{step + 1}; exiting")
             return True
-        self.drills.after_step(step)
+        if step + 1 == tc.crash_at_step and self.first_launch and run.rank == run.layout.world - 1:
+            print(f"crash drill: rank {run.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+            os._exit(1)  # torchrun restarts the job, which resumes
         return False
 
     def non_finite(self, step: int):
@@ -852,8 +821,8 @@ class Loop:
         tc, device, out = self.run.tc, self.run.device, self.out
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = (time.time() - self.t_last) / self.steps_since_log
-        self.t_last, self.steps_since_log = time.time(), 0
+        dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)
+        self.t_last, self.logged_step = time.time(), step + 1
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -866,7 +835,7 @@ class Loop:
                      f" | eta {eta / 60:.1f}m")
         return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal)
 
-    def finish(self, manifest: dict) -> dict:
+    def finish(self) -> dict:
         """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
         tc, out = self.run.tc, self.out
         if out is not None:
@@ -876,7 +845,7 @@ class Loop:
                          f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
                          f"outputs in {tc.out_dir}/")
         if tc.sample_tokens and out is not None and not self.guard.requested:
-            sample(self.run, self.model, manifest)
+            sample(self.run, self.model, self.resolved["tokenizer"]["source"])
         self.guard.close()
         self.sinks.close()
         if self.lost:
@@ -885,9 +854,9 @@ class Loop:
                 "step": self.state.step + 1}
 
 
-def sample(run: Run, model, manifest: dict):
+def sample(run: Run, model, tokenizer: str):
     """Says --sample_tokens tokens the model writes after "def "."""
-    enc = data.get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
+    enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
     torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
     model.eval()
@@ -898,10 +867,9 @@ def sample(run: Run, model, manifest: dict):
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached."""
-    run, manifest, resume_from = setup(tc, overrides)
-    tc, say, drills = run.tc, run.say, Drills(run)
+    run, resolved, resume_from = setup(tc, overrides)
+    tc, say = run.tc, run.say
     train_loader, val_loader = loaders(run)
-    resolved = resolved_config(run, manifest)
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
 
@@ -910,17 +878,13 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
     flops = flops_per_token(run)
-    drills.skew_router(model)
 
     state = TrainState.fresh(model, run.device)
     schedule = resume(resume_from, tc, model, optimizer, train_loader, state, resolved, say)
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
-    sinks = MetricsSinks(tc, resolved, state.step, run.master)  # config.json; metrics.jsonl cut at the step resumed
-    loop = Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, sinks, flops, drills)
-    loop.train()
-    return loop.finish(manifest)
+    return Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, flops).train()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_flags_cover_config_and_model_overrides():
     (["--eval_batches=0"], "--eval_batches=0 must be at least 1."),
     (["--warmup_steps=-3"], "--warmup_steps=-3 must be 0 or more."),
     (["--keep_ckpts=0"], "--keep_ckpts=0 must be at least 1."),
+    (["--decay=step", "--steps=0"], "--steps=0 must be at least 1; --decay=step must be one of cosine, linear, wsd."),
 ])
 def test_out_of_range_flag_is_one_sentence_before_anything_runs(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
