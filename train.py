@@ -593,9 +593,6 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
         if dist.is_initialized():
             dist.broadcast_object_list(run_id, src=0)
         resolved["run_id"] = run_id[0]
-        if tc.skew_router:  # the collapse drill: a fresh run's router on the first 2*top_k experts of every layer
-            for moe in model.moe_layers():
-                moe.expert_bias[: 2 * model.cfg.top_k] += tc.skew_router
         return tc
     state.load(saved)
     loader.load_state_dict(saved["data"])
@@ -699,21 +696,48 @@ def flops_per_token(run: Run) -> float:
     return flops
 
 
+class Drills:
+    """The faults a run injects on purpose, to show it survives them: a dying rank (torchrun restarts the job, which
+    resumes), a hung step (the watchdog), a NaN loss (the non-finite guard), a collapsed router (expert balancing).
+    The first two fire on the first launch only, so the restarted job can finish."""
+
+    def __init__(self, run: Run):
+        self.run, self.tc = run, run.tc
+        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    def skew_router(self, model):
+        """--skew_router: the first 2*top_k experts of every MoE layer start ahead (a resume loads the saved bias)."""
+        for moe in model.moe_layers() if self.tc.skew_router else ():
+            moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
+
+    def before_step(self, step: int) -> bool:
+        """--stall_at_step hangs here; True when --nan_at_step makes this step's loss NaN."""
+        if step == self.tc.stall_at_step and self.first_launch:
+            time.sleep(10 * self.tc.step_timeout + 60)
+        return step == self.tc.nan_at_step
+
+    def after_step(self, step: int):
+        """--crash_at_step: the last rank exits abruptly after this step."""
+        rank = self.run.rank
+        if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
+            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
     preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row. A checkpoint write that fails
     (a full disk) is said in one line and the run goes on from the previous one; the final one's failure is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
-                 flops_per_token: float):
+                 flops_per_token: float, drills: Drills):
         tc = run.tc
         self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
         (self.loader, self.val_loader), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak, self.tokens_per_step = peak_tflops(run.device, tc.peak_tflops), tc.global_batch * tc.seq_len
         self.guard, self.ckpt_root = Guard(tc.step_timeout), os.path.join(tc.out_dir, "checkpoints")
-        # The fault drills (a dying rank, a hung step) fire on the first launch only, so the restarted job can finish.
-        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.drills = drills
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
         self.logged_step = self.start_step = state.step
@@ -733,11 +757,9 @@ class Loop:
         lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if step == tc.stall_at_step and self.first_launch:  # the hang drill, for the watchdog
-            time.sleep(10 * tc.step_timeout + 60)
+        poison = self.drills.before_step(step)
         batch = self.loader.batch(step)
-        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state,
-                                    poison=step == tc.nan_at_step)  # the NaN drill, for the non-finite guard
+        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, poison=poison)
         # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write in flight on any
         # rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of the data
         # stream, for metrics.jsonl; float64 keeps integers below 2**53 exact).
@@ -769,9 +791,7 @@ class Loop:
             run.say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
                     f"{step + 1}; exiting")
             return True
-        if step + 1 == tc.crash_at_step and self.first_launch and run.rank == run.layout.world - 1:
-            print(f"crash drill: rank {run.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
-            os._exit(1)  # torchrun restarts the job, which resumes
+        self.drills.after_step(step)
         return False
 
     def non_finite(self, step: int):
@@ -877,14 +897,15 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     if tc.init_from_hf:
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
-    flops = flops_per_token(run)
+    flops, drills = flops_per_token(run), Drills(run)
+    drills.skew_router(model)
 
     state = TrainState.fresh(model, run.device)
     schedule = resume(resume_from, tc, model, optimizer, train_loader, state, resolved, say)
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
-    return Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, flops).train()
+    return Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, flops, drills).train()
 
 
 if __name__ == "__main__":
