@@ -29,7 +29,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -81,18 +81,19 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-def _check_hf_names(present: set, wanted: dict):
-    missing = sorted(set(wanted) - present)
+def _hf_names(ours, present) -> dict:  # {transformers' name: ours}, each of them in `present`
+    names = {_hf_name(k): k for k in ours}
+    missing = sorted(set(names) - set(present))
     if missing:
         raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
                        f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
+    return names
 
 
 def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
-    wanted = {_hf_name(k): k for k in meta_model(cfg).state_dict()}
-    _check_hf_names(set(hf_sd), wanted)
-    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in wanted.items()}
+    names = _hf_names(meta_model(cfg).state_dict(), hf_sd)
+    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in names.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -116,26 +117,21 @@ def _encode(obj, where: str):
         if all(isinstance(k, str) for k in obj) and not _TAGS & obj.keys():
             return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    if isinstance(obj, np.generic):
-        return obj.item()  # a numpy scalar comes back as the python number
+    if isinstance(obj, (np.generic, np.ndarray)):
+        return obj.tolist()  # numpy comes back as python numbers and lists
     raise TypeError(f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store; "
                     f"use numbers, strings, lists, tuples, dicts or tensors.")
 
 
-def _decode(obj):
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
+def _decode(obj: dict):
+    """json.load's object_hook: undoes _encode on each dict, whose values come already decoded."""
     if "__tensor__" in obj:
         dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
         flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
         return flat.reshape(obj["shape"])
     if "__tuple__" in obj:
-        return tuple(_decode(v) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
-    return {k: _decode(v) for k, v in obj.items()}
+        return tuple(obj["__tuple__"])
+    return dict(obj["__items__"]) if "__items__" in obj else obj
 
 
 def _config_json(obj):
@@ -154,18 +150,16 @@ def _write(path: str, text: str):
         os.fsync(f.fileno())
 
 
-def _read_json(ckpt: str, name: str) -> dict:
-    if not os.path.isfile(os.path.join(ckpt, name)):
-        raise FileNotFoundError(f"checkpoint {ckpt} has no {name}; it was not written by this checkpoint.py.")
-    with open(os.path.join(ckpt, name)) as f:
-        return json.load(f)
+def _read_json(folder: str, name: str, expected: str = "a checkpoint written by this checkpoint.py") -> dict:
+    if not os.path.isfile(os.path.join(folder, name)):
+        raise FileNotFoundError(f"{folder} has no {name}; expected {expected}.")
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f, object_hook=_decode)
 
 
 def rng_state() -> dict:
     """This process's RNG states (saved per rank: each draws its own streams): torch CPU and CUDA, numpy, python."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": (name, keys.tolist(), pos, has_gauss, cached)}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -177,8 +171,7 @@ def set_rng_state(state: dict):
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        np.random.set_state(state["numpy"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -278,12 +271,13 @@ def _resolve(path: str) -> str:
     return found
 
 
-def _saved_model_config(path: str) -> tuple[dict, ModelConfig]:
-    """(config.json, its ModelConfig) of complete checkpoint `path`."""
+def _saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
+    """(the complete checkpoint, its config.json, its ModelConfig) for a checkpoint or a root, as _resolve finds it."""
+    path = _resolve(path)
     saved = _read_json(path, "config.json")
     if not isinstance(saved.get("model"), dict):
         raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
-    return saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -297,9 +291,8 @@ def _resolved_config(config, model) -> dict:
     """The training config as a dict, with the model's config (as a dict) under "model"."""
     out = asdict(config) if is_dataclass(config) else dict(config or {})
     m = out.get("model")
-    for module in (model, getattr(model, "_orig_mod", None)):  # torch.compile wraps the module
-        if m is None and isinstance(getattr(module, "cfg", None), ModelConfig):
-            m = module.cfg
+    if m is None and isinstance(getattr(model, "cfg", None), ModelConfig):  # torch.compile's wrapper passes .cfg on
+        m = model.cfg
     if m is not None and not isinstance(m, (dict, ModelConfig)):
         raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
     return out if m is None else {**out, "model": asdict(m) if isinstance(m, ModelConfig) else m}
@@ -308,15 +301,12 @@ def _resolved_config(config, model) -> dict:
 @contextmanager
 def _step_hooks_silenced(optim):
     """get/set_state_dict take a zero-lr optimizer step to create missing state: the expert-bias hook must not fire."""
-    hooks = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
-    saved = [h.copy() for h in hooks]
-    for h in hooks:
-        h.clear()
+    saved = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
+    optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
-        for h, s in zip(hooks, saved):
-            h.update(s)
+        optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = saved
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
@@ -519,8 +509,7 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     if optim is None:
         set_model_state_dict(model, tensors["model"], options=_OPTIONS)
     else:
-        saved_rest = _decode(saved_state["optim"])
-        optim_sd = {**tensors["optim"], **{k: saved_rest.get(k, v) for k, v in optim_rest.items()}}
+        optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
         with _step_hooks_silenced(optim):
             set_state_dict(model, optim, model_state_dict=tensors["model"], optim_state_dict=optim_sd,
                            options=_OPTIONS)
@@ -528,8 +517,8 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     if saved_world != world and rank == 0:
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
                       f"rank r resumes the RNG streams of saved rank r % {saved_world}.", stacklevel=2)
-    set_rng_state(_decode(_read_json(path, f"rng_{rank % saved_world:05d}.json")))
-    return _decode(saved_state["train"])
+    set_rng_state(_read_json(path, f"rng_{rank % saved_world:05d}.json"))
+    return saved_state["train"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -542,8 +531,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     with. Returns the checkpoint used."""
     from safetensors.torch import save_file
 
-    path = _resolve(ckpt_path)
-    saved_config, cfg = _saved_model_config(path)
+    path, saved_config, cfg = _saved_checkpoint(ckpt_path)
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     if tokenizer is None:
         warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
@@ -591,9 +579,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
 
 def hf_config(hf_dir: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face `afmoe` folder, once its config.json and weight files are found there."""
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model folder.")
-    hf = _read_json(hf_dir, "config.json")
+    hf = _read_json(hf_dir, "config.json", "a Hugging Face model folder")
     if hf.get("model_type") != "afmoe":
         raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
                          f"models can be loaded.")
@@ -619,8 +605,7 @@ def load_hf_into(model, hf_dir: str):
     reader = HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
-    wanted = {_hf_name(k): v for k, v in tensors.items()}
-    _check_hf_names(set(shapes), wanted)
+    wanted = {hf: tensors[k] for hf, k in _hf_names(tensors, shapes).items()}
     wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
              if shapes[k] != tuple(v.shape)]
     if wrong:
@@ -669,8 +654,7 @@ def sampling_model(path: str, device: torch.device):
         except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
             return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
         return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok)), None
-    path = _resolve(path)
-    saved, cfg = _saved_model_config(path)
+    path, saved, cfg = _saved_checkpoint(path)
     model = meta_model(cfg).to_empty(device=device)
     with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
         warnings.simplefilter("ignore")
