@@ -19,7 +19,6 @@ renamed step_N once COMPLETE is written, so a run killed mid-save leaves the pre
 """
 
 import argparse
-import base64
 import errno
 import json
 import os
@@ -31,7 +30,7 @@ import time
 import warnings
 from collections import OrderedDict, namedtuple
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, is_dataclass
 from functools import cache
 from typing import Callable
@@ -97,7 +96,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# JSON for the small non-DCP data: exact tensors (raw bytes, base64), tuples and non-string dict keys survive
+# JSON for the small non-DCP data: tensors (exact: JSON numbers hold every value), tuples, non-string dict keys
 
 _TAGS = {"__tensor__", "__tuple__", "__items__"}
 
@@ -106,10 +105,8 @@ def _encode(obj, where: str):
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "data": base64.b64encode(raw).decode("ascii")}
+        return {"__tensor__": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
+                "data": obj.detach().cpu().reshape(-1).tolist()}
     if isinstance(obj, (tuple, list)):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
@@ -126,9 +123,7 @@ def _encode(obj, where: str):
 def _decode(obj: dict):
     """json.load's object_hook: undoes _encode on each dict, whose values come already decoded."""
     if "__tensor__" in obj:
-        dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
-        return flat.reshape(obj["shape"])
+        return torch.tensor(obj["data"], dtype=getattr(torch, obj["__tensor__"])).reshape(obj["shape"])
     if "__tuple__" in obj:
         return tuple(obj["__tuple__"])
     return dict(obj["__items__"]) if "__items__" in obj else obj
@@ -301,6 +296,9 @@ def _resolved_config(config, model) -> dict:
 @contextmanager
 def _step_hooks_silenced(optim):
     """get/set_state_dict take a zero-lr optimizer step to create missing state: the expert-bias hook must not fire."""
+    if optim is None:
+        yield
+        return
     saved = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
     optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     try:
@@ -315,10 +313,8 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<
 def _state_dicts(model, optim) -> tuple[dict, dict]:
     """({"model": tensors, "optim": tensors} for DCP, the optimizer's non-tensor values), keyed by parameter name
     whatever the wrapping (FSDP2, torch.compile, activation checkpointing)."""
-    if optim is None:
-        return {"model": get_model_state_dict(model, options=_OPTIONS)}, {}
     with _step_hooks_silenced(optim):
-        model_sd, optim_sd = get_state_dict(model, optim, options=_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optim or [], options=_OPTIONS)
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
     return {"model": model_sd, "optim": tensors}, {k: v for k, v in optim_sd.items() if k not in tensors}
 
@@ -373,11 +369,9 @@ def _failing_cleanly(ckpt_root: str, step: int, rank: int):
 def _commit(ckpt_root: str, step: int, keep: int):
     """Rank 0, once every rank has written its files: mark step_N.tmp complete, rename it step_N, then delete this
     run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed saves older than `step`."""
-    def run_id(path: str):
-        try:
+    def run_id(path: str):  # None for an unreadable config.json
+        with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
-        except (OSError, ValueError):
-            return None
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
     _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
@@ -399,11 +393,9 @@ _pending: list[Callable[[], None]] = []
 
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
          async_save: bool = False) -> Callable[[], None]:
-    """Write checkpoint `ckpt_root/step_{step:08d}`, on every rank, and keep the newest `keep` (<= 0: all) of this run.
-    state: "model", "optim" (or None), "train" (plain values and tensors, the same on all ranks), "rng" (optional).
-    config: the training config, "model" taken from the model when absent. async_save: return once the tensors are
-    on the CPU. Returns wait(), which every rank calls before the next save and at exit; wait.done() says whether
-    this rank's write has finished. A failed write (a full disk) raises SaveFailed, here or from wait()."""
+    """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
+    "optim" (or None), "train" (alike on all ranks), "rng" (optional). async_save returns once tensors are on the CPU.
+    Every rank calls the returned wait() (wait.done(): written) before the next save; a failed write: SaveFailed."""
     while _pending:  # a forgotten wait() of the previous async save
         _pending[0]()
     rank, world = _rank_world()
@@ -411,9 +403,8 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     texts = {"config.json": json.dumps(_resolved_config(config, state["model"]), indent=2, default=_config_json),
              f"rng_{rank:05d}.json": json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))}
     tensors, optim_rest = _state_dicts(state["model"], state.get("optim"))
-    train = _encode(state.get("train") or {}, "train")
-    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train,
-                                      "optim": _encode(optim_rest, "optimizer state")}, indent=1)
+    train, optim = _encode(state.get("train") or {}, "train"), _encode(optim_rest, "optimizer state")
+    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train, "optim": optim}, indent=1)
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
 
     def fresh_tmp():
@@ -476,10 +467,9 @@ def _check_config(path: str, saved_config: dict, config, model):
 
 
 def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
-    """Load checkpoint `path` (or the newest complete one under a root) into state["model"] and state["optim"] in
-    place, whatever their layout; restore this rank's RNG states; return the saved "train" dict. Every rank calls it.
-    config (the training config, or a ModelConfig): refuse a checkpoint of another architecture, naming the fields.
-    Rank r restores saved rank r % saved_world_size's RNG states: the same world size resumes every stream."""
+    """Load checkpoint `path` (or a root's newest) into state["model"] and state["optim"] in place, any layout, on every
+    rank; return the saved "train" dict. config (training config or ModelConfig): refuse another architecture. Rank r
+    restores the RNG states of saved rank r % saved world size."""
     path = _resolve(path)
     verify(path)
     rank, world = _rank_world()
@@ -506,13 +496,10 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
-    if optim is None:
-        set_model_state_dict(model, tensors["model"], options=_OPTIONS)
-    else:
-        optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
-        with _step_hooks_silenced(optim):
-            set_state_dict(model, optim, model_state_dict=tensors["model"], optim_state_dict=optim_sd,
-                           options=_OPTIONS)
+    optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
+    with _step_hooks_silenced(optim):
+        set_state_dict(model, optim or [], model_state_dict=tensors["model"], optim_state_dict=optim_sd,
+                       options=_OPTIONS)
     saved_world = saved_state["world_size"]
     if saved_world != world and rank == 0:
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
@@ -525,10 +512,8 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 # Hugging Face folders: export a checkpoint, import a model to start from
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
-    """Write a transformers `afmoe` folder (config.json, model.safetensors or shards and an index, the tokenizer)
-    from checkpoint `ckpt_path` (or the newest under a root), in one process, one shard in memory at a time.
-    `tokenizer` (tiktoken name or Hugging Face tokenizer folder) defaults to the one the training data was prepared
-    with. Returns the checkpoint used."""
+    """Write a transformers `afmoe` folder (config.json, safetensors shards and an index, the tokenizer: by default
+    the data's) from checkpoint `ckpt_path` or a root's newest, one shard in memory at a time. Returns the one used."""
     from safetensors.torch import save_file
 
     path, saved_config, cfg = _saved_checkpoint(ckpt_path)
