@@ -531,29 +531,28 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
                          f"e.g. {', '.join(missing[:3])}.")
+    nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
     shards, size = [[]], 0
     for n in names:
-        nbytes = meta[n].size.numel() * meta[n].properties.dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
             shards, size = shards + [[]], 0
         shards[-1].append(n)
-        size += nbytes
+        size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):  # an earlier export's weights would be mixed in by from_pretrained
         if name.startswith("model") and ".safetensors" in name:
             os.remove(os.path.join(out_dir, name))
-    weight_map, total = {}, 0
+    weight_map = {}
     for file, shard in zip(files, shards):
         sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
         hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
         save_file(hf_sd, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(hf_sd, file))
-        total += sum(t.numel() * t.element_size() for t in hf_sd.values())
     if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         _write(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
     hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch.")}
     _write(os.path.join(out_dir, "config.json"), json.dumps(hf, indent=2))
@@ -655,14 +654,10 @@ def sampling_model(path: str, device: torch.device):
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
     """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
     tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
-    ok = [i < tokenizer.n_vocab for i in range(vocab_size)]
-    if hasattr(tokenizer, "decode_single_token_bytes"):  # tiktoken
-        for i in range(min(tokenizer.n_vocab, vocab_size)):
-            try:
-                tokenizer.decode_single_token_bytes(i)
-            except KeyError:
-                ok[i] = False
-    return torch.tensor(ok)
+    if hasattr(tokenizer, "_mergeable_ranks"):  # tiktoken: its ids are those of its merges and special tokens
+        assigned = {*tokenizer._mergeable_ranks.values(), *tokenizer._special_tokens.values()}
+        return torch.tensor([i in assigned for i in range(vocab_size)])
+    return torch.arange(vocab_size) < tokenizer.n_vocab
 
 
 def _sample(args):
@@ -678,8 +673,9 @@ def _sample(args):
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
-        p.data = p.data.to(getattr(torch, args.dtype))
+        p.data = p.data.to(dtype)
     if args.prompt_ids is None and tokenizer is None:
         raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
                          f"--prompt_ids=1,2,3.")
@@ -741,8 +737,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
     args = parser.parse_args(argv)
-    if args.command == "sample" and args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)
