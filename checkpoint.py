@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -98,9 +99,6 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # JSON for the small non-DCP data: tensors (exact: JSON numbers hold every value), tuples, non-string dict keys
 
-_TAGS = {"__tensor__", "__tuple__", "__items__"}
-
-
 def _encode(obj, where: str):
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -111,7 +109,7 @@ def _encode(obj, where: str):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not _TAGS & obj.keys():
+        if all(isinstance(k, str) for k in obj) and not {"__tensor__", "__tuple__", "__items__"} & obj.keys():
             return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
     if isinstance(obj, (np.generic, np.ndarray)):
@@ -224,10 +222,9 @@ def verify(path: str):
         raise bad(".metadata", "is missing") from None
     except Exception:
         raise bad(".metadata", "cannot be read (truncated?)") from None
-    needed = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
+    # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
+    needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
+    for name, size in needed.items():
         file = os.path.join(path, name)
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
@@ -326,26 +323,23 @@ def _gloo_group(world_group):
     return dist.new_group(backend="gloo")
 
 
-def _together(world: int, fn: Callable[[], None] | None):
-    """Run fn (if any); then every rank raises the first rank's OSError, if any rank had one, so all give up
-    together and none is left waiting in a collective the others skipped."""
+@contextmanager
+def _together(world: int):
+    """Every rank raises the first rank's OSError from the block, so none waits in a collective others skip."""
     failure = None
     try:
-        if fn is not None:
-            fn()
+        yield
     except OSError as e:
         failure = e
     failures = [failure] * world
     if world > 1:
         dist.all_gather_object(failures, failure)
-    failed = next((f for f in failures if f is not None), None)
-    if failed is not None:
-        raise failed
+    if any(failures):
+        raise next(f for f in failures if f)
 
 
 def _first_failure(e: BaseException) -> tuple[int | None, str]:
-    """(errno, one line) of an exception; of the first rank's for DCP's CheckpointException, whose str is every
-    rank's traceback."""
+    """(errno, one line) of an exception, or of the first rank's inside DCP's CheckpointException (every rank's)."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     return getattr(e, "errno", None), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
@@ -406,19 +400,15 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     train, optim = _encode(state.get("train") or {}, "train"), _encode(optim_rest, "optimizer state")
     texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train, "optim": optim}, indent=1)
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
-
-    def fresh_tmp():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
-        os.makedirs(tmp)
-
-    def write_json():
-        for name, text in texts.items():
-            if rank == 0 or name.startswith("rng_"):
-                _write(os.path.join(tmp, name), text)
-
     with _failing_cleanly(ckpt_root, step, rank):
-        _together(world, fresh_tmp if rank == 0 else None)
-        _together(world, write_json)  # before DCP's collectives
+        with _together(world):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+                os.makedirs(tmp)
+        with _together(world):  # before DCP's collectives
+            for name, text in texts.items():
+                if rank == 0 or name.startswith("rng_"):
+                    _write(os.path.join(tmp, name), text)
         if async_save:
             group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
             future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
@@ -434,8 +424,9 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
                 future.result()
                 if world > 1:
                     dist.barrier()  # every rank has written all of its files
-                # No rank moves on before the checkpoint is complete for all.
-                _together(world, (lambda: _commit(ckpt_root, step, keep)) if rank == 0 else None)
+                with _together(world):  # no rank moves on before the checkpoint is complete for all
+                    if rank == 0:
+                        _commit(ckpt_root, step, keep)
 
     wait.done = future.done
     _pending.append(wait)
@@ -444,17 +435,15 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     return wait
 
 
-# Fields that do not change the weights' shapes or the function they compute: a run may change them on resume.
-_NOT_ARCHITECTURE = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-
-
 def _check_config(path: str, saved_config: dict, config, model):
     """Refuse a checkpoint saved with another model architecture or tokenizer than `config` names."""
     resolved = _resolved_config(config, model)
     current = asdict(config) if isinstance(config, ModelConfig) else resolved.get("model")
     saved = saved_config.get("model")
     if current is not None and isinstance(saved, dict):
-        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in _NOT_ARCHITECTURE]
+        # Fields that change neither the weights' shapes nor the function they compute may change on resume.
+        free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
+        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in free]
         diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
                 for n in names if saved.get(n) != current.get(n)]
         if diff:
@@ -514,8 +503,6 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
     """Write a transformers `afmoe` folder (config.json, safetensors shards and an index, the tokenizer: by default
     the data's) from checkpoint `ckpt_path` or a root's newest, one shard in memory at a time. Returns the one used."""
-    from safetensors.torch import save_file
-
     path, saved_config, cfg = _saved_checkpoint(ckpt_path)
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     if tokenizer is None:
@@ -583,10 +570,8 @@ def hf_config(hf_dir: str) -> ModelConfig:
 def load_hf_into(model, hf_dir: str):
     """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder in place. Every rank calls
     it and reads only its shards' rows (DCP's Hugging Face reader); weights in another dtype become the model's."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     hf_config(hf_dir)  # config.json and the weight files the index names are there
-    reader = HuggingFaceStorageReader(hf_dir)
+    reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
     wanted = {hf: tensors[k] for hf, k in _hf_names(tensors, shapes).items()}
