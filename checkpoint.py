@@ -308,8 +308,7 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<
 
 
 def _state_dicts(model, optim) -> tuple[dict, dict]:
-    """({"model": tensors, "optim": tensors} for DCP, the optimizer's non-tensor values), keyed by parameter name
-    whatever the wrapping (FSDP2, torch.compile, activation checkpointing)."""
+    """({"model": tensors, "optim": tensors} for DCP, the optimizer's other values), by parameter name, any wrapping."""
     with _step_hooks_silenced(optim):
         model_sd, optim_sd = get_state_dict(model, optim or [], options=_OPTIONS)
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
@@ -318,8 +317,7 @@ def _state_dicts(model, optim) -> tuple[dict, dict]:
 
 @cache
 def _gloo_group(world_group):
-    """A gloo group for async saves: DCP runs its collectives from a background thread, which must not share a
-    group with the training loop's, and needs a CPU backend even when training uses NCCL."""
+    """For async saves: DCP's background thread must not share the training loop's group, and needs a CPU backend."""
     return dist.new_group(backend="gloo")
 
 
@@ -369,8 +367,7 @@ def _commit(ckpt_root: str, step: int, keep: int):
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
     _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
-    if os.path.isdir(final):  # an earlier save of the same step
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
     os.rename(final + ".tmp", final)
     fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
     os.fsync(fd)
@@ -413,9 +410,8 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
             group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
             future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
         else:
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-            future = Future()
-            future.set_result(None)
+            future = Future()  # already done
+            future.set_result(dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized()))
 
     def wait():
         if wait in _pending:
@@ -609,9 +605,8 @@ def _ls(ckpt_root: str):
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer or None, why there is none) from a Hugging Face `afmoe` folder (its
-    tokenizer.json through transformers) or a checkpoint (its data's tiktoken encoding), or the newest under a root.
-    The tokenizer has encode, decode and n_vocab."""
+    """(model in eval mode, tokenizer (encode, decode, n_vocab) or None, why none) from a Hugging Face `afmoe` folder
+    (its tokenizer through transformers) or a checkpoint or root (the tokenizer its training data was prepared with)."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -719,7 +714,7 @@ def main(argv=None) -> int:
     for flag, kind, default, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
     args = parser.parse_args(argv)
     try:
