@@ -19,6 +19,7 @@ renamed step_N once COMPLETE is written, so a run killed mid-save leaves the pre
 """
 
 import argparse
+import base64
 import errno
 import json
 import os
@@ -103,8 +104,9 @@ def _encode(obj, where: str):
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
+        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # exact, any dtype
         return {"__tensor__": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
-                "data": obj.detach().cpu().reshape(-1).tolist()}
+                "data": base64.b64encode(raw).decode("ascii")}
     if isinstance(obj, (tuple, list)):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
@@ -121,7 +123,9 @@ def _encode(obj, where: str):
 def _decode(obj: dict):
     """json.load's object_hook: undoes _encode on each dict, whose values come already decoded."""
     if "__tensor__" in obj:
-        return torch.tensor(obj["data"], dtype=getattr(torch, obj["__tensor__"])).reshape(obj["shape"])
+        dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
+        return (torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
+            obj["shape"])
     if "__tuple__" in obj:
         return tuple(obj["__tuple__"])
     return dict(obj["__items__"]) if "__items__" in obj else obj
