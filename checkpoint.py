@@ -29,9 +29,9 @@ import shutil
 import sys
 import time
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, is_dataclass
 from functools import cache
 from typing import Callable
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -81,61 +82,53 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-def _check_hf_names(present: set, wanted: dict):
-    missing = sorted(set(wanted) - present)
+def _hf_names(ours, present) -> dict:  # {transformers' name: ours}, each of them in `present`
+    names = {_hf_name(k): k for k in ours}
+    missing = sorted(set(names) - set(present))
     if missing:
         raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
                        f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
+    return names
 
 
 def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
-    wanted = {_hf_name(k): k for k in meta_model(cfg).state_dict()}
-    _check_hf_names(set(hf_sd), wanted)
-    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in wanted.items()}
+    names = _hf_names(meta_model(cfg).state_dict(), hf_sd)
+    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in names.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# JSON for the small non-DCP data: exact tensors (raw bytes, base64), tuples and non-string dict keys survive
-
-_TAGS = {"__tensor__", "__tuple__", "__items__"}
-
+# JSON for the small non-DCP data: tensors (exact: JSON numbers hold every value), tuples, non-string dict keys
 
 def _encode(obj, where: str):
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # exact, any dtype
+        return {"__tensor__": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
                 "data": base64.b64encode(raw).decode("ascii")}
     if isinstance(obj, (tuple, list)):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not _TAGS & obj.keys():
+        if all(isinstance(k, str) for k in obj) and not {"__tensor__", "__tuple__", "__items__"} & obj.keys():
             return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
         return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    if isinstance(obj, np.generic):
-        return obj.item()  # a numpy scalar comes back as the python number
+    if isinstance(obj, (np.generic, np.ndarray)):
+        return obj.tolist()  # numpy comes back as python numbers and lists
     raise TypeError(f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store; "
                     f"use numbers, strings, lists, tuples, dicts or tensors.")
 
 
-def _decode(obj):
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
+def _decode(obj: dict):
+    """json.load's object_hook: undoes _encode on each dict, whose values come already decoded."""
     if "__tensor__" in obj:
         dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
-        return flat.reshape(obj["shape"])
+        return (torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
+            obj["shape"])
     if "__tuple__" in obj:
-        return tuple(_decode(v) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
-    return {k: _decode(v) for k, v in obj.items()}
+        return tuple(obj["__tuple__"])
+    return dict(obj["__items__"]) if "__items__" in obj else obj
 
 
 def _config_json(obj):
@@ -154,18 +147,16 @@ def _write(path: str, text: str):
         os.fsync(f.fileno())
 
 
-def _read_json(ckpt: str, name: str) -> dict:
-    if not os.path.isfile(os.path.join(ckpt, name)):
-        raise FileNotFoundError(f"checkpoint {ckpt} has no {name}; it was not written by this checkpoint.py.")
-    with open(os.path.join(ckpt, name)) as f:
-        return json.load(f)
+def _read_json(folder: str, name: str, expected: str = "a checkpoint written by this checkpoint.py") -> dict:
+    if not os.path.isfile(os.path.join(folder, name)):
+        raise FileNotFoundError(f"{folder} has no {name}; expected {expected}.")
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f, object_hook=_decode)
 
 
 def rng_state() -> dict:
     """This process's RNG states (saved per rank: each draws its own streams): torch CPU and CUDA, numpy, python."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": (name, keys.tolist(), pos, has_gauss, cached)}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -177,8 +168,7 @@ def set_rng_state(state: dict):
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        np.random.set_state(state["numpy"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -236,10 +226,9 @@ def verify(path: str):
         raise bad(".metadata", "is missing") from None
     except Exception:
         raise bad(".metadata", "cannot be read (truncated?)") from None
-    needed = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
+    # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
+    needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
+    for name, size in needed.items():
         file = os.path.join(path, name)
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
@@ -278,12 +267,13 @@ def _resolve(path: str) -> str:
     return found
 
 
-def _saved_model_config(path: str) -> tuple[dict, ModelConfig]:
-    """(config.json, its ModelConfig) of complete checkpoint `path`."""
+def _saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
+    """(the complete checkpoint, its config.json, its ModelConfig) for a checkpoint or a root, as _resolve finds it."""
+    path = _resolve(path)
     saved = _read_json(path, "config.json")
     if not isinstance(saved.get("model"), dict):
         raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
-    return saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -297,9 +287,8 @@ def _resolved_config(config, model) -> dict:
     """The training config as a dict, with the model's config (as a dict) under "model"."""
     out = asdict(config) if is_dataclass(config) else dict(config or {})
     m = out.get("model")
-    for module in (model, getattr(model, "_orig_mod", None)):  # torch.compile wraps the module
-        if m is None and isinstance(getattr(module, "cfg", None), ModelConfig):
-            m = module.cfg
+    if m is None and isinstance(getattr(model, "cfg", None), ModelConfig):  # torch.compile's wrapper passes .cfg on
+        m = model.cfg
     if m is not None and not isinstance(m, (dict, ModelConfig)):
         raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
     return out if m is None else {**out, "model": asdict(m) if isinstance(m, ModelConfig) else m}
@@ -308,58 +297,51 @@ def _resolved_config(config, model) -> dict:
 @contextmanager
 def _step_hooks_silenced(optim):
     """get/set_state_dict take a zero-lr optimizer step to create missing state: the expert-bias hook must not fire."""
-    hooks = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
-    saved = [h.copy() for h in hooks]
-    for h in hooks:
-        h.clear()
+    if optim is None:
+        yield
+        return
+    saved = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
+    optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
-        for h, s in zip(hooks, saved):
-            h.update(s)
+        optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = saved
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
 
 
 def _state_dicts(model, optim) -> tuple[dict, dict]:
-    """({"model": tensors, "optim": tensors} for DCP, the optimizer's non-tensor values), keyed by parameter name
-    whatever the wrapping (FSDP2, torch.compile, activation checkpointing)."""
-    if optim is None:
-        return {"model": get_model_state_dict(model, options=_OPTIONS)}, {}
+    """({"model": tensors, "optim": tensors} for DCP, the optimizer's other values), by parameter name, any wrapping."""
     with _step_hooks_silenced(optim):
-        model_sd, optim_sd = get_state_dict(model, optim, options=_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optim or [], options=_OPTIONS)
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
     return {"model": model_sd, "optim": tensors}, {k: v for k, v in optim_sd.items() if k not in tensors}
 
 
 @cache
 def _gloo_group(world_group):
-    """A gloo group for async saves: DCP runs its collectives from a background thread, which must not share a
-    group with the training loop's, and needs a CPU backend even when training uses NCCL."""
+    """For async saves: DCP's background thread must not share the training loop's group, and needs a CPU backend."""
     return dist.new_group(backend="gloo")
 
 
-def _together(world: int, fn: Callable[[], None] | None):
-    """Run fn (if any); then every rank raises the first rank's OSError, if any rank had one, so all give up
-    together and none is left waiting in a collective the others skipped."""
+@contextmanager
+def _together(world: int):
+    """Every rank raises the first rank's OSError from the block, so none waits in a collective others skip."""
     failure = None
     try:
-        if fn is not None:
-            fn()
+        yield
     except OSError as e:
         failure = e
     failures = [failure] * world
     if world > 1:
         dist.all_gather_object(failures, failure)
-    failed = next((f for f in failures if f is not None), None)
-    if failed is not None:
-        raise failed
+    if any(failures):
+        raise next(f for f in failures if f)
 
 
 def _first_failure(e: BaseException) -> tuple[int | None, str]:
-    """(errno, one line) of an exception; of the first rank's for DCP's CheckpointException, whose str is every
-    rank's traceback."""
+    """(errno, one line) of an exception, or of the first rank's inside DCP's CheckpointException (every rank's)."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     return getattr(e, "errno", None), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
@@ -383,16 +365,13 @@ def _failing_cleanly(ckpt_root: str, step: int, rank: int):
 def _commit(ckpt_root: str, step: int, keep: int):
     """Rank 0, once every rank has written its files: mark step_N.tmp complete, rename it step_N, then delete this
     run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed saves older than `step`."""
-    def run_id(path: str):
-        try:
+    def run_id(path: str):  # None for an unreadable config.json
+        with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
-        except (OSError, ValueError):
-            return None
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
     _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
-    if os.path.isdir(final):  # an earlier save of the same step
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
     os.rename(final + ".tmp", final)
     fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
     os.fsync(fd)
@@ -409,11 +388,9 @@ _pending: list[Callable[[], None]] = []
 
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
          async_save: bool = False) -> Callable[[], None]:
-    """Write checkpoint `ckpt_root/step_{step:08d}`, on every rank, and keep the newest `keep` (<= 0: all) of this run.
-    state: "model", "optim" (or None), "train" (plain values and tensors, the same on all ranks), "rng" (optional).
-    config: the training config, "model" taken from the model when absent. async_save: return once the tensors are
-    on the CPU. Returns wait(), which every rank calls before the next save and at exit; wait.done() says whether
-    this rank's write has finished. A failed write (a full disk) raises SaveFailed, here or from wait()."""
+    """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
+    "optim" (or None), "train" (alike on all ranks), "rng" (optional). async_save returns once tensors are on the CPU.
+    Every rank calls the returned wait() (wait.done(): written) before the next save; a failed write: SaveFailed."""
     while _pending:  # a forgotten wait() of the previous async save
         _pending[0]()
     rank, world = _rank_world()
@@ -421,30 +398,24 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     texts = {"config.json": json.dumps(_resolved_config(config, state["model"]), indent=2, default=_config_json),
              f"rng_{rank:05d}.json": json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))}
     tensors, optim_rest = _state_dicts(state["model"], state.get("optim"))
-    train = _encode(state.get("train") or {}, "train")
-    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train,
-                                      "optim": _encode(optim_rest, "optimizer state")}, indent=1)
+    train, optim = _encode(state.get("train") or {}, "train"), _encode(optim_rest, "optimizer state")
+    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train, "optim": optim}, indent=1)
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
-
-    def fresh_tmp():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
-        os.makedirs(tmp)
-
-    def write_json():
-        for name, text in texts.items():
-            if rank == 0 or name.startswith("rng_"):
-                _write(os.path.join(tmp, name), text)
-
     with _failing_cleanly(ckpt_root, step, rank):
-        _together(world, fresh_tmp if rank == 0 else None)
-        _together(world, write_json)  # before DCP's collectives
+        with _together(world):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
+                os.makedirs(tmp)
+        with _together(world):  # before DCP's collectives
+            for name, text in texts.items():
+                if rank == 0 or name.startswith("rng_"):
+                    _write(os.path.join(tmp, name), text)
         if async_save:
             group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
             future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
         else:
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-            future = Future()
-            future.set_result(None)
+            future = Future()  # already done
+            future.set_result(dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized()))
 
     def wait():
         if wait in _pending:
@@ -453,8 +424,9 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
                 future.result()
                 if world > 1:
                     dist.barrier()  # every rank has written all of its files
-                # No rank moves on before the checkpoint is complete for all.
-                _together(world, (lambda: _commit(ckpt_root, step, keep)) if rank == 0 else None)
+                with _together(world):  # no rank moves on before the checkpoint is complete for all
+                    if rank == 0:
+                        _commit(ckpt_root, step, keep)
 
     wait.done = future.done
     _pending.append(wait)
@@ -463,17 +435,15 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     return wait
 
 
-# Fields that do not change the weights' shapes or the function they compute: a run may change them on resume.
-_NOT_ARCHITECTURE = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-
-
 def _check_config(path: str, saved_config: dict, config, model):
     """Refuse a checkpoint saved with another model architecture or tokenizer than `config` names."""
     resolved = _resolved_config(config, model)
     current = asdict(config) if isinstance(config, ModelConfig) else resolved.get("model")
     saved = saved_config.get("model")
     if current is not None and isinstance(saved, dict):
-        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in _NOT_ARCHITECTURE]
+        # Fields that change neither the weights' shapes nor the function they compute may change on resume.
+        free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
+        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in free]
         diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
                 for n in names if saved.get(n) != current.get(n)]
         if diff:
@@ -486,10 +456,9 @@ def _check_config(path: str, saved_config: dict, config, model):
 
 
 def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
-    """Load checkpoint `path` (or the newest complete one under a root) into state["model"] and state["optim"] in
-    place, whatever their layout; restore this rank's RNG states; return the saved "train" dict. Every rank calls it.
-    config (the training config, or a ModelConfig): refuse a checkpoint of another architecture, naming the fields.
-    Rank r restores saved rank r % saved_world_size's RNG states: the same world size resumes every stream."""
+    """Load checkpoint `path` (or a root's newest) into state["model"] and state["optim"] in place, any layout, on every
+    rank; return the saved "train" dict. config (training config or ModelConfig): refuse another architecture. Rank r
+    restores the RNG states of saved rank r % saved world size."""
     path = _resolve(path)
     verify(path)
     rank, world = _rank_world()
@@ -516,34 +485,25 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
-    if optim is None:
-        set_model_state_dict(model, tensors["model"], options=_OPTIONS)
-    else:
-        saved_rest = _decode(saved_state["optim"])
-        optim_sd = {**tensors["optim"], **{k: saved_rest.get(k, v) for k, v in optim_rest.items()}}
-        with _step_hooks_silenced(optim):
-            set_state_dict(model, optim, model_state_dict=tensors["model"], optim_state_dict=optim_sd,
-                           options=_OPTIONS)
+    optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
+    with _step_hooks_silenced(optim):
+        set_state_dict(model, optim or [], model_state_dict=tensors["model"], optim_state_dict=optim_sd,
+                       options=_OPTIONS)
     saved_world = saved_state["world_size"]
     if saved_world != world and rank == 0:
         warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
                       f"rank r resumes the RNG streams of saved rank r % {saved_world}.", stacklevel=2)
-    set_rng_state(_decode(_read_json(path, f"rng_{rank % saved_world:05d}.json")))
-    return _decode(saved_state["train"])
+    set_rng_state(_read_json(path, f"rng_{rank % saved_world:05d}.json"))
+    return saved_state["train"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Hugging Face folders: export a checkpoint, import a model to start from
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
-    """Write a transformers `afmoe` folder (config.json, model.safetensors or shards and an index, the tokenizer)
-    from checkpoint `ckpt_path` (or the newest under a root), in one process, one shard in memory at a time.
-    `tokenizer` (tiktoken name or Hugging Face tokenizer folder) defaults to the one the training data was prepared
-    with. Returns the checkpoint used."""
-    from safetensors.torch import save_file
-
-    path = _resolve(ckpt_path)
-    saved_config, cfg = _saved_model_config(path)
+    """Write a transformers `afmoe` folder (config.json, safetensors shards and an index, the tokenizer: by default
+    the data's) from checkpoint `ckpt_path` or a root's newest, one shard in memory at a time. Returns the one used."""
+    path, saved_config, cfg = _saved_checkpoint(ckpt_path)
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     if tokenizer is None:
         warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
@@ -558,29 +518,28 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
                          f"e.g. {', '.join(missing[:3])}.")
+    nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
     shards, size = [[]], 0
     for n in names:
-        nbytes = meta[n].size.numel() * meta[n].properties.dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
             shards, size = shards + [[]], 0
         shards[-1].append(n)
-        size += nbytes
+        size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):  # an earlier export's weights would be mixed in by from_pretrained
         if name.startswith("model") and ".safetensors" in name:
             os.remove(os.path.join(out_dir, name))
-    weight_map, total = {}, 0
+    weight_map = {}
     for file, shard in zip(files, shards):
         sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
         hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
         save_file(hf_sd, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(hf_sd, file))
-        total += sum(t.numel() * t.element_size() for t in hf_sd.values())
     if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         _write(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
     hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch.")}
     _write(os.path.join(out_dir, "config.json"), json.dumps(hf, indent=2))
@@ -591,9 +550,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
 
 def hf_config(hf_dir: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face `afmoe` folder, once its config.json and weight files are found there."""
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise FileNotFoundError(f"{hf_dir} has no config.json; expected a Hugging Face model folder.")
-    hf = _read_json(hf_dir, "config.json")
+    hf = _read_json(hf_dir, "config.json", "a Hugging Face model folder")
     if hf.get("model_type") != "afmoe":
         raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
                          f"models can be loaded.")
@@ -613,14 +570,11 @@ def hf_config(hf_dir: str) -> ModelConfig:
 def load_hf_into(model, hf_dir: str):
     """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder in place. Every rank calls
     it and reads only its shards' rows (DCP's Hugging Face reader); weights in another dtype become the model's."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     hf_config(hf_dir)  # config.json and the weight files the index names are there
-    reader = HuggingFaceStorageReader(hf_dir)
+    reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
-    wanted = {_hf_name(k): v for k, v in tensors.items()}
-    _check_hf_names(set(shapes), wanted)
+    wanted = {hf: tensors[k] for hf, k in _hf_names(tensors, shapes).items()}
     wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
              if shapes[k] != tuple(v.shape)]
     if wrong:
@@ -655,9 +609,8 @@ def _ls(ckpt_root: str):
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer or None, why there is none) from a Hugging Face `afmoe` folder (its
-    tokenizer.json through transformers) or a checkpoint (its data's tiktoken encoding), or the newest under a root.
-    The tokenizer has encode, decode and n_vocab."""
+    """(model in eval mode, tokenizer (encode, decode, n_vocab) or None, why none) from a Hugging Face `afmoe` folder
+    (its tokenizer through transformers) or a checkpoint or root (the tokenizer its training data was prepared with)."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -669,8 +622,7 @@ def sampling_model(path: str, device: torch.device):
         except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
             return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
         return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok)), None
-    path = _resolve(path)
-    saved, cfg = _saved_model_config(path)
+    path, saved, cfg = _saved_checkpoint(path)
     model = meta_model(cfg).to_empty(device=device)
     with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
         warnings.simplefilter("ignore")
@@ -686,14 +638,10 @@ def sampling_model(path: str, device: torch.device):
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
     """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
     tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
-    ok = [i < tokenizer.n_vocab for i in range(vocab_size)]
-    if hasattr(tokenizer, "decode_single_token_bytes"):  # tiktoken
-        for i in range(min(tokenizer.n_vocab, vocab_size)):
-            try:
-                tokenizer.decode_single_token_bytes(i)
-            except KeyError:
-                ok[i] = False
-    return torch.tensor(ok)
+    if hasattr(tokenizer, "_mergeable_ranks"):  # tiktoken: its ids are those of its merges and special tokens
+        assigned = {*tokenizer._mergeable_ranks.values(), *tokenizer._special_tokens.values()}
+        return torch.tensor([i in assigned for i in range(vocab_size)])
+    return torch.arange(vocab_size) < tokenizer.n_vocab
 
 
 def _sample(args):
@@ -709,8 +657,9 @@ def _sample(args):
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
-        p.data = p.data.to(getattr(torch, args.dtype))
+        p.data = p.data.to(dtype)
     if args.prompt_ids is None and tokenizer is None:
         raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
                          f"--prompt_ids=1,2,3.")
@@ -769,11 +718,9 @@ def main(argv=None) -> int:
     for flag, kind, default, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
     args = parser.parse_args(argv)
-    if args.command == "sample" and args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)
