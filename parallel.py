@@ -417,7 +417,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     total_norm = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float().square()
                               for n in norms]).sum().sqrt()
     clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if clip < 1:  # a host sync (train_step reads the norm right after anyway); unclipped steps skip a pass
+    if clip < 1:  # a host sync between backward and the optimizer; steps within the norm skip a pass over gradients
         locals_ = [_local(g) for g in grads]  # views: scaling them scales the gradients
         torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
