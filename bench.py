@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import heapq
 import importlib.metadata
 import itertools
 import json
@@ -730,13 +729,9 @@ def ns_flops(shape: tuple, steps: int = 5) -> int:
 
 @functools.lru_cache(maxsize=None)
 def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
-    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks, largest first to the least loaded (lowest on
-    ties), one per rank a round: (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
-    heap, owned = [(0, r) for r in range(S)], [[] for _ in range(S)]
-    for i in sorted(range(len(hidden)), key=lambda i: -math.prod(hidden[i])):
-        load, r = heapq.heappop(heap)
-        owned[r].append(ns_flops(hidden[i]))
-        heapq.heappush(heap, (load + math.prod(hidden[i]), r))
+    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
+    (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
+    owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
     rounds = max(map(len, owned))
     return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
 

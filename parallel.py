@@ -443,6 +443,17 @@ def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_
     return w_XQW.mT if tall else w_XQW
 
 
+def deal(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Which of `sizes` each rank takes: largest first, each to the least loaded rank (the lowest on ties), so every
+    rank's share is within one item of the mean."""
+    load, owned = [0] * ranks, [[] for _ in range(ranks)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner = min(range(ranks), key=load.__getitem__)
+        load[owner] += sizes[i]
+        owned[owner].append(i)
+    return owned
+
+
 def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
     """How Muon reaches whole matrices of `p` ([..., O, F]): None when this rank holds whole matrices (a plain tensor,
     or a DTensor sharded only on stacking dims: the routed experts), else (mesh, mesh dim) whose ranks each hold a
@@ -561,12 +572,7 @@ class Muon(torch.optim.Optimizer):
             if u.shape[0] != r[me]:
                 raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
                                    f"{S}, not the {r[me]} of a torch.chunk split; Muon cannot reassemble it.")
-        # Largest first to the least loaded rank: each rank's share is within one matrix of the mean.
-        load, owned = [0] * S, [[] for _ in range(S)]
-        for i in sorted(range(len(items)), key=lambda i: -items[i][0].numel()):
-            owner = min(range(S), key=lambda r: load[r])
-            load[owner] += items[i][0].numel()
-            owned[owner].append(i)
+        owned = deal([p.numel() for p, _, _ in items], S)
         device = items[0][1].device
         dtype = self._dtype(device)
         nothing = torch.empty(0, dtype=dtype, device=device)
