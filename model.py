@@ -496,6 +496,9 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
 
 # Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache is faster than all rows.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
+# Rounding matmuls keep the gradient of this many chunks' logits (in their dtype) for one dh and one dW matmul: each
+# dW matmul adds a [V, D] product into the fp32 dW, a pass over 10 bytes per weight (7 GB at V=200k, D=3072).
+HEAD_GRAD_CHUNKS = 8
 
 # A row's exponentials need no shift by its max when their sum lies here: none overflows, and those that underflow
 # are below 1e-18 of the sum. A chunk with a row outside is redone shifted, and so are the chunks after it.
@@ -504,6 +507,12 @@ UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
+
+
+def head_grad_rows(tokens: int, vocab_size: int, device: torch.device) -> int:
+    """Rows whose logits' gradient the rounding (bf16) head keeps at once: HEAD_GRAD_CHUNKS equal chunks, or all."""
+    rows = -(-tokens // max(1, -(-tokens // head_chunk_rows(vocab_size, device))))  # as head_cross_entropy chunks
+    return min(tokens, rows * HEAD_GRAD_CHUNKS)
 
 
 def fp32_matmul_is_exact(device: torch.device) -> bool:
@@ -517,7 +526,8 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(mean cross-entropy of h @ weight.T against targets (-100 ignored), valid rows), a chunk of rows at a time: the
     [N, V] logits never exist whole. grads adds the summed loss's dh, dW from each chunk's exponentials E and row sums
     s. Exact fp32: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]; rounding matmuls
-    take softmax - onehot in fp32 first, so a confident row's gradient is not a difference of two rounded numbers."""
+    take softmax - onehot in fp32 first, so a confident row's gradient is not a difference of two rounded numbers,
+    and keep it for HEAD_GRAD_CHUNKS chunks before their dh and dW matmuls."""
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
@@ -525,6 +535,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
     rows = max(1, -(-N // n_chunks))  # equal chunks: no short last one that reads all of W for a few rows
+    group = head_grad_rows(N, V, device)  # a multiple of rows, or N
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
         exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
@@ -534,6 +545,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
             minus_one_C1 = None if fp32 else torch.full((min(rows, N), 1), -1.0, device=device)
+            g_GV = None if fp32 else torch.empty(min(group, N), V, dtype=mm_dtype, device=device)
 
         def logits(h, out):
             return torch.mm(h, weight_VD.t(), out=out) if fp32 else out.copy_(h @ weight_VD.t())
@@ -557,10 +569,12 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             if grads and fp32:  # the one-hot's share after the loop
                 torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
                 dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
-            elif grads:
-                g = e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]).to(mm_dtype)
-                torch.mm(g, weight_VD, out=dh_ND[start:end])
-                dweight_VD += g.t() @ h_valid_ND[start:end]
+            elif grads:  # softmax - onehot in fp32, rounded once into the group's buffer
+                first = start - start % group
+                g_GV[start - first:end - first].copy_(e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]))
+                if end % group == 0 or end == N:
+                    torch.mm(g_GV[:end - first], weight_VD, out=dh_ND[first:end])
+                    dweight_VD += g_GV[:end - first].t() @ h_valid_ND[first:end]
         n_valid = valid_N1.sum()
         loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
     if not grads:

@@ -117,8 +117,9 @@ def test_grouped_mm_bf16_matches_loop_on_cuda():
 @pytest.mark.parametrize("chunk_rows", [48, 128])
 def test_fused_head_loss_on_cuda(autocast, chunk_rows, monkeypatch):
     """The chunked, in-place exponentials and gradients of the fused head loss against F.cross_entropy, on CUDA, in
-    chunks of 48 rows (the last one partial) and in one."""
+    chunks of 48 rows (the last one partial) with their bf16 gradients matmul'd every 2 chunks, and in one."""
     monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, CUDA.type, chunk_rows * CFG.vocab_size * 4)
+    monkeypatch.setattr(model_module, "HEAD_GRAD_CHUNKS", 2)
     g = torch.Generator().manual_seed(0)
     model = Transformer(CFG).to(CUDA)
     h_BTD = torch.randn(2, 64, CFG.dim, generator=g).to(CUDA)

@@ -124,15 +124,18 @@ def test_rms_norm_matches_autograd_of_its_definition(shape, dtype):
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("ignore", [False, True])
-@pytest.mark.parametrize("chunk_rows", [7, 40])
-def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("chunk_rows, grad_chunks", [(7, 2), (7, 8), (40, 8)])
+def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore, chunk_rows, grad_chunks, monkeypatch):
     """model.head_loss against F.linear + F.cross_entropy in fp32: the loss, both gradients (with an upstream
     gradient that is not 1), ignored targets, under bf16 autocast, in chunks of 7 rows (the last one partial) and in
-    one; what it keeps for backward is the two gradients, nothing of size [N, V]. Without grad it gives the loss."""
+    one, the bf16 gradients matmul'd every 2 chunks (14 rows, the last group partial) or once; what it keeps for
+    backward is the two gradients, nothing of size [N, V]. Without grad it gives the loss."""
     g = torch.Generator().manual_seed(0)
     model = Transformer(small_cfg(vocab_size=384))
     N, D, V = 40, model.cfg.dim, model.cfg.vocab_size
     monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, "cpu", chunk_rows * V * 4)
+    monkeypatch.setattr(model_module, "HEAD_GRAD_CHUNKS", grad_chunks)
+    assert model_module.head_grad_rows(N, V, torch.device("cpu")) == min(N, chunk_rows * grad_chunks)
     assert model_module.head_chunk_rows(V, torch.device("cpu")) == chunk_rows
     with torch.no_grad():
         model.head.weight.copy_(torch.randn(V, D, generator=g) * 0.3)
@@ -169,11 +172,13 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
     """Rows whose logits are all near +150 (exp overflows) or all near -150 (exp underflows to zero) leave
     model.UNSHIFTED_SUM_RANGE, and their chunk is computed again with each row's max subtracted: the loss and both
     gradients still match F.cross_entropy (under the same autocast: bf16 logits near 150 are only good to 0.5), in
-    an ordinary chunk before any such row (unshifted), chunks that hold them, and the chunks after (shifted)."""
+    an ordinary chunk before any such row (unshifted), chunks that hold them, and the chunks after (shifted); the
+    bf16 gradients are matmul'd every 2 chunks."""
     g = torch.Generator().manual_seed(2)
     model = Transformer(small_cfg(vocab_size=256))
     N, D, V = 24, model.cfg.dim, model.cfg.vocab_size
     monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, "cpu", 4 * V * 4)  # chunks of 4 rows
+    monkeypatch.setattr(model_module, "HEAD_GRAD_CHUNKS", 2)
     with torch.no_grad():
         model.head.weight.copy_(torch.randn(V, D, generator=g) * 0.3)
         model.head.weight[:, 0] = 1.0  # h[:, 0] moves all of a row's logits together
