@@ -43,8 +43,7 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import (PRESETS, FeedForward, MoE, RMSNorm, grouped_mm_supported, head_chunk_rows, head_grad_rows,
-                   meta_model)
+from model import PRESETS, FeedForward, MoE, RMSNorm, grouped_mm_supported, head_chunks, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
             "plan": "memory, traffic, step time and days for a model on a GPU layout, and the fastest layouts that "
@@ -631,7 +630,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
     # At the loss: a chunk of R rows of fp32 logits; in bf16 also its logits, the gradient of a group of Rg rows, the
     # weight's bf16 copy and the group's product for the weight gradient.
-    R, Rg = min(tokens, head_chunk_rows(V, torch.device("cuda"))), head_grad_rows(tokens, V, torch.device("cuda"))
+    R, Rg = head_chunks(tokens, V, torch.device("cuda"))
     head_transient = 4 * R * V + (c * (R + Rg) * V + 2 * c * V * D if c < 4 else 0)
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}

@@ -505,14 +505,12 @@ HEAD_GRAD_CHUNKS = 8
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
-def head_chunk_rows(vocab_size: int, device: torch.device) -> int:
-    return max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
-
-
-def head_grad_rows(tokens: int, vocab_size: int, device: torch.device) -> int:
-    """Rows whose logits' gradient the rounding (bf16) head keeps at once: HEAD_GRAD_CHUNKS equal chunks, or all."""
-    rows = -(-tokens // max(1, -(-tokens // head_chunk_rows(vocab_size, device))))  # as head_cross_entropy chunks
-    return min(tokens, rows * HEAD_GRAD_CHUNKS)
+def head_chunks(tokens: int, vocab_size: int, device: torch.device) -> tuple[int, int]:
+    """(rows per chunk, rows per gradient group): equal chunks of at most HEAD_CHUNK_BYTES of fp32 logits (no short
+    last one that reads all of W for a few rows), HEAD_GRAD_CHUNKS of them a group, or all rows."""
+    most = max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
+    rows = max(1, -(-tokens // max(1, -(-tokens // most))))
+    return rows, min(tokens, rows * HEAD_GRAD_CHUNKS)
 
 
 def fp32_matmul_is_exact(device: torch.device) -> bool:
@@ -533,9 +531,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
     valid_N1 = (targets_N != -100).unsqueeze(1)
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
-    n_chunks = max(1, -(-N // head_chunk_rows(V, device)))
-    rows = max(1, -(-N // n_chunks))  # equal chunks: no short last one that reads all of W for a few rows
-    group = head_grad_rows(N, V, device)  # a multiple of rows, or N
+    rows, group = head_chunks(N, V, device)
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
         exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk

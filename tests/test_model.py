@@ -135,8 +135,7 @@ def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore, chu
     N, D, V = 40, model.cfg.dim, model.cfg.vocab_size
     monkeypatch.setitem(model_module.HEAD_CHUNK_BYTES, "cpu", chunk_rows * V * 4)
     monkeypatch.setattr(model_module, "HEAD_GRAD_CHUNKS", grad_chunks)
-    assert model_module.head_grad_rows(N, V, torch.device("cpu")) == min(N, chunk_rows * grad_chunks)
-    assert model_module.head_chunk_rows(V, torch.device("cpu")) == chunk_rows
+    assert model_module.head_chunks(N, V, torch.device("cpu")) == (chunk_rows, min(N, chunk_rows * grad_chunks))
     with torch.no_grad():
         model.head.weight.copy_(torch.randn(V, D, generator=g) * 0.3)
     h_BTD = torch.randn(2, N // 2, D, generator=g)
