@@ -628,10 +628,10 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
                  for i in range(cfg.n_layers)]
     tokens = micro_batch * seq
     head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
-    # At the loss: a chunk of R rows of fp32 logits; in bf16 also its logits, the gradient of a group of Rg rows, the
-    # weight's bf16 copy and the group's product for the weight gradient.
+    # At the loss: a chunk of R rows of fp32 logits; in bf16 instead its bf16 logits, the gradient of a group of Rg
+    # rows, the weight's bf16 copy and the group's product for the weight gradient.
     R, Rg = head_chunks(tokens, V, torch.device("cuda"))
-    head_transient = 4 * R * V + (c * (R + Rg) * V + 2 * c * V * D if c < 4 else 0)
+    head_transient = 4 * R * V if c == 4 else c * (R + Rg) * V + 2 * c * V * D
     saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
              "full": cfg.n_layers * c * D + head}
     kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}  # + the head weight's fp32 gradient

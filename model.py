@@ -500,8 +500,8 @@ HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
 # dW matmul adds a [V, D] product into the fp32 dW, a pass over 10 bytes per weight (7 GB at V=200k, D=3072).
 HEAD_GRAD_CHUNKS = 8
 
-# A row's exponentials need no shift by its max when their sum lies here: none overflows, and those that underflow
-# are below 1e-18 of the sum. A chunk with a row outside is redone shifted, and so are the chunks after it.
+# Exact fp32: a row's exponentials need no shift by its max when their sum lies here: none overflows, and those that
+# underflow are below 1e-18 of the sum. A chunk with a row outside is redone shifted, and so are the chunks after it.
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
@@ -520,12 +520,28 @@ def fp32_matmul_is_exact(device: torch.device) -> bool:
     return getattr(backend, "fp32_precision", "none") in ("none", "ieee")  # "none": not set, full fp32
 
 
+def lse_and_grad(logits_CV, t_C1, g_CV=None):
+    """Each row's log-sum-exp [C, 1] in fp32; with g_CV, softmax - onehot(t) written into it, taken in fp32 and rounded
+    once, so that a confident row's gradient is not a difference of two rounded numbers. Compiled on CUDA, it reads
+    the logits once for the row maxima and sums and once for the gradient."""
+    x_CV = logits_CV.float()
+    max_C1 = x_CV.amax(-1, keepdim=True)
+    sum_C1 = x_CV.sub_(max_C1).exp_().sum(-1, keepdim=True)
+    if g_CV is not None:
+        g_CV.copy_(x_CV.div_(sum_C1))
+        g_CV.scatter_(1, t_C1, x_CV.gather(1, t_C1).sub_(1).to(g_CV.dtype))
+    return sum_C1.log_().add_(max_C1)
+
+
+_lse_and_grad_compiled = None  # compiled on first use
+
+
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(mean cross-entropy of h @ weight.T against targets (-100 ignored), valid rows), a chunk of rows at a time: the
-    [N, V] logits never exist whole. grads adds the summed loss's dh, dW from each chunk's exponentials E and row sums
-    s. Exact fp32: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]; rounding matmuls
-    take softmax - onehot in fp32 first, so a confident row's gradient is not a difference of two rounded numbers,
-    and keep it for HEAD_GRAD_CHUNKS chunks before their dh and dW matmuls."""
+    [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32, from each chunk's exponentials E
+    and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]. Rounding
+    matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh and dW matmuls."""
+    global _lse_and_grad_compiled
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
@@ -534,43 +550,46 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     rows, group = head_chunks(N, V, device)
     with torch.autocast(device.type, enabled=False):
         h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
-        exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
         picked_N1, lse_N1 = (torch.empty(N, 1, dtype=torch.float32, device=device) for _ in range(2))
         if grads:
             dh_ND = torch.empty_like(h_ND)
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
-            minus_one_C1 = None if fp32 else torch.full((min(rows, N), 1), -1.0, device=device)
-            g_GV = None if fp32 else torch.empty(min(group, N), V, dtype=mm_dtype, device=device)
-
-        def logits(h, out):
-            return torch.mm(h, weight_VD.t(), out=out) if fp32 else out.copy_(h @ weight_VD.t())
-
-        shifted = False
-        for start in range(0, N, rows):
-            end = min(start + rows, N)
-            e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
-            logits(h, e)
-            torch.gather(e, 1, t, out=picked_N1[start:end])
-            shift = 0.0
-            if not shifted:
-                s = e.exp_().sum(-1, keepdim=True)
-                shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
-                if shifted:
-                    logits(h, e)
-            if shifted:
-                shift = e.amax(-1, keepdim=True)
-                s = e.sub_(shift).exp_().sum(-1, keepdim=True)
-            torch.add(s.log(), shift, out=lse_N1[start:end])
-            if grads and fp32:  # the one-hot's share after the loop
-                torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
-                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
-            elif grads:  # softmax - onehot in fp32, rounded once into the group's buffer
+        if not fp32:  # rounding matmuls
+            if device.type == "cuda" and _lse_and_grad_compiled is None:
+                _lse_and_grad_compiled = torch.compile(lse_and_grad)
+            fused = _lse_and_grad_compiled if device.type == "cuda" else lse_and_grad
+            g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
+            for start in range(0, N, rows):
+                end, t = min(start + rows, N), targets_N1[start:start + rows]
+                logits_CV = h_ND[start:end] @ weight_VD.t()
+                picked_N1[start:end] = logits_CV.gather(1, t)
                 first = start - start % group
-                g_GV[start - first:end - first].copy_(e.div_(s).scatter_add_(1, t, minus_one_C1[:end - start]))
-                if end % group == 0 or end == N:
+                lse_N1[start:end] = fused(logits_CV, t, g_GV[start - first:end - first] if grads else None)
+                if grads and (end % group == 0 or end == N):
                     torch.mm(g_GV[:end - first], weight_VD, out=dh_ND[first:end])
                     dweight_VD += g_GV[:end - first].t() @ h_valid_ND[first:end]
+        else:
+            exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
+            shifted = False
+            for start in range(0, N, rows):
+                end = min(start + rows, N)
+                e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
+                torch.mm(h, weight_VD.t(), out=e)
+                torch.gather(e, 1, t, out=picked_N1[start:end])
+                shift = 0.0
+                if not shifted:
+                    s = e.exp_().sum(-1, keepdim=True)
+                    shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
+                    if shifted:
+                        torch.mm(h, weight_VD.t(), out=e)
+                if shifted:
+                    shift = e.amax(-1, keepdim=True)
+                    s = e.sub_(shift).exp_().sum(-1, keepdim=True)
+                torch.add(s.log(), shift, out=lse_N1[start:end])
+                if grads:  # the one-hot's share after the loop
+                    torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
+                    dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
         n_valid = valid_N1.sum()
         loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
     if not grads:

@@ -199,6 +199,27 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
         assert (ours - ref).abs().max() <= tol * ref.abs().max()
 
 
+def test_compiled_lse_and_grad_matches_eager():
+    """lse_and_grad as the fused head loss runs it on CUDA, compiled (here by inductor on the CPU), against its eager
+    self: the log-sum-exp, and the bf16 gradient written into its rows of a larger buffer and nowhere else, for two
+    chunk lengths, and the log-sum-exp alone."""
+    compiled = torch.compile(model_module.lse_and_grad)
+    g = torch.Generator().manual_seed(4)
+    for C in (6, 4):
+        logits_CV = (torch.randn(C, 300, generator=g) * 5).bfloat16()
+        t_C1 = torch.randint(0, 300, (C, 1), generator=g)
+        buffers = [torch.full((10, 300), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+        lse = [fn(logits_CV, t_C1, buf[2:2 + C]) for fn, buf in zip((compiled, model_module.lse_and_grad), buffers)]
+        assert torch.allclose(lse[0], lse[1], rtol=1e-6, atol=1e-6)
+        assert torch.equal(buffers[0], buffers[1]) and (buffers[0][:2] == 7).all() and (buffers[0][2 + C:] == 7).all()
+        assert torch.allclose(compiled(logits_CV, t_C1), lse[1], rtol=1e-6, atol=1e-6)
+    # and both against the definition: softmax - onehot, log-sum-exp
+    x_CV = logits_CV.float()
+    want = torch.softmax(x_CV, -1) - F.one_hot(t_C1.squeeze(1), 300)
+    assert (buffers[0][2:2 + C].float() - want).abs().max() <= 2 ** -8 * want.abs().max()
+    assert torch.allclose(lse[1], torch.logsumexp(x_CV, -1, keepdim=True), rtol=1e-6)
+
+
 @pytest.mark.parametrize("setting, cpu_exact", [("cuda tf32", True), ("cpu bf16", False), ("legacy high", False)])
 def test_fused_head_loss_under_reduced_fp32_matmul_precision(setting, cpu_exact):
     """Users lower the fp32 matmul precision per backend or through torch.set_float32_matmul_precision (torch's
