@@ -255,7 +255,8 @@ def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist.")
+        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a checkpoint directory (OUT_DIR/"
+                                f"checkpoints/step_N) or the checkpoints folder for its newest complete one.")
     if _STEP_RE.fullmatch(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, ".metadata")):
         newest = latest(os.path.dirname(os.path.normpath(path)))
         raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "

@@ -443,7 +443,8 @@ def test_cli(tmp_path, capsys):
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} "
-                                                  f"does not exist."]
+                                                  f"does not exist; give a checkpoint directory (OUT_DIR/checkpoints/step_N) or the "
+                                                  f"checkpoints folder for its newest complete one."]
     for args, says in [(["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
                        (["ls", str(tmp_path / "nowhere")], "does not exist")]:
         assert checkpoint.main(args) == 2
