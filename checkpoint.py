@@ -721,7 +721,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        data.refuse_unknown(parser, unknown, sub.choices[args.command])
+    if args.command == "export" and not args.max_shard_gb > 0:
+        parser.error(f"--max_shard_gb={args.max_shard_gb} must be above 0.")
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)

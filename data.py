@@ -590,11 +590,17 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args, unknown = p.parse_known_args(argv)
-    if unknown:  # name the closest valid flag for a typo
-        flags = [flag for action in p._actions for flag in action.option_strings]
-        close = [difflib.get_close_matches(arg.split("=")[0], flags, n=1) for arg in unknown]
-        p.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; did you mean {c[0]}?" for c in close if c))
+    if unknown:
+        refuse_unknown(p, unknown)
     return args
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str], known: argparse.ArgumentParser = None):
+    """parser.error for the arguments argparse did not know, naming the closest flag of `known` (default: parser)."""
+    flags = [flag for action in (known or parser)._actions for flag in action.option_strings]
+    close = [c[0] for arg in unknown for c in [difflib.get_close_matches(arg.split("=")[0], flags, n=1)] if c]
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}; " + (f"did you mean {', '.join(close)}?" if close else
+                                                                     f"{(known or parser).prog} --help lists them."))
 
 
 if __name__ == "__main__":

