@@ -516,8 +516,8 @@ class Muon(torch.optim.Optimizer):
         lr = group["lr"] * group["lr_scale"]
         rows, cols = p.shape[-2:]
         mine = _local(p)
-        mine.mul_(1 - lr * group["weight_decay"])
-        mine.add_(o_XOF.reshape(mine.shape).to(mine.dtype), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+        mine.mul_(1 - lr * group["weight_decay"])  # then a bf16 update is added in fp32, with no cast of its own
+        mine.add_(o_XOF.reshape(mine.shape), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -558,7 +558,8 @@ class Muon(torch.optim.Optimizer):
             batch[0].append((p, u, group))
             batch[1] += u.numel()
         for batch in batches:
-            o_XOF = self._ns(torch.cat([u for _, u, _ in batch]), batch[0][2])
+            dtype = self._dtype(batch[0][1].device)  # cast before the copy into one batch: fewer bytes to move
+            o_XOF = self._ns(torch.cat([u.to(dtype) for _, u, _ in batch]), batch[0][2])
             for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
                 self._apply(p, o, group)
 
