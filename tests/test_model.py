@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_module
 import parallel
@@ -446,6 +447,43 @@ def test_moe_forward_and_gradients_match_token_by_token_reference(combine):
         results.append([y, aux, z, xi.grad] + [p.grad.clone() for p in moe.parameters()])
     for ours, ref in zip(*results):
         assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-4), (ours - ref).abs().max()
+
+
+# --- no host reads on the training path
+
+# Ops that read a device value back to the host, or make a shape that depends on one: each stalls the GPU's queue.
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique")
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func).startswith(HOST_READS) or (str(func) == "aten.repeat_interleave.Tensor"
+                                                 and kwargs.get("output_size") is None):
+            self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_training_forward_and_backward_never_read_the_device():
+    """The training path as it runs on CUDA (bf16 autocast, the gather combine, grouped GEMM, the fused head's rounding
+    path, balance losses, document masks) asks for no host read in forward or backward: every op is recorded on the
+    CPU. It catches one, the exact fp32 head's check of its exponential sums; a read inside a CUDA kernel's own
+    launcher shows only on a GPU (tests/test_cuda.py runs the MoE layer under torch's sync debug mode)."""
+    model = Transformer(small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3))
+    for moe in model.moe_layers():
+        moe.combine, moe.experts.impl = "gather", "grouped"
+    g = torch.Generator().manual_seed(0)
+    tokens_BT, targets_BT = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+    doc_ids_BT = torch.arange(32).repeat(2, 1) // 10
+    for autocast, reads in ((True, []), (False, ["aten._local_scalar_dense.default"])):
+        with OpRecorder() as recorder, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, stats = model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT, return_stats=True)
+            (loss + stats.balance_loss).backward()
+        assert recorder.reads == reads
 
 
 # --- construction and counting
