@@ -610,8 +610,9 @@ def _ls(ckpt_root: str):
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer (encode, decode, n_vocab) or None, why none) from a Hugging Face `afmoe` folder
-    (its tokenizer through transformers) or a checkpoint or root (the tokenizer its training data was prepared with)."""
+    """(model in eval mode, tokenizer (encode, decode, n_vocab, eot_token) or None, why none) from a Hugging Face
+    `afmoe` folder (its tokenizer through transformers) or a checkpoint or root (the tokenizer its data was prepared
+    with)."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -622,7 +623,8 @@ def sampling_model(path: str, device: torch.device):
             tok = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
             return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
-        return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok)), None
+        return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok),
+                                                eot_token=tok.eos_token_id), None
     path, saved, cfg = _saved_checkpoint(path)
     model = meta_model(cfg).to_empty(device=device)
     with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
@@ -671,15 +673,18 @@ def _sample(args):
                          f"--prompt_ids.")
     torch.manual_seed(args.seed)
     allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
+    stop_id = getattr(tokenizer, "eot_token", None)  # a row ends at its tokenizer's end-of-text, shown
     t0 = time.time()
     rows = model.generate(torch.tensor([ids] * args.num_samples, device=device), args.max_new_tokens,
-                          args.temperature, args.top_k or None, args.top_p, allowed_V).tolist()  # waits for the device
-    seconds = time.time() - t0
+                          args.temperature, args.top_k or None, args.top_p, allowed_V, stop_id).tolist()  # waits
+    seconds, steps = time.time() - t0, len(rows[0]) - len(ids)
     for i, row in enumerate(rows):
+        row = row[:len(ids) + row[len(ids):].index(stop_id) + 1] if stop_id in row[len(ids):] else row
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
-    print(f"{args.num_samples} x {args.max_new_tokens} tokens in {seconds:.2f}s "
-          f"({args.num_samples * args.max_new_tokens / seconds:.1f} tokens/s on {device.type})", file=sys.stderr)
+    print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "
+          f"on {device.type}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}",
+          file=sys.stderr)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -727,18 +727,26 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, allowed_V: torch.Tensor | None = None):
+                 top_p: float | None = None, allowed_V: torch.Tensor | None = None, stop_id: int | None = None):
         """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
         cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
-        arguments. A sharded model's ranks must all call it with the same tokens and RNG state."""
+        arguments. A row that samples stop_id (end-of-text) repeats it from then on, and sampling ends early once
+        every row has. A sharded model's ranks must all call it with the same tokens and RNG state."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
                        f"global layers attend to more tokens than the model was trained on.")
         cache, steps = self.new_cache(S), [tokens_BT]  # the prompt, then a [B, 1] token per step
+        done_B1 = torch.zeros(tokens_BT.shape[0], 1, dtype=torch.bool, device=tokens_BT.device)
         with torch.compiler.set_stance("force_eager"):
             for _ in range(max_new_tokens):
-                steps.append(sample_next(self(steps[-1], cache=cache)[:, -1], temperature, top_k, top_p, allowed_V))
+                next_B1 = sample_next(self(steps[-1], cache=cache)[:, -1], temperature, top_k, top_p, allowed_V)
+                if stop_id is not None:
+                    next_B1 = next_B1.masked_fill(done_B1, stop_id)
+                    done_B1 |= next_B1 == stop_id
+                steps.append(next_B1)
+                if stop_id is not None and bool(done_B1.all()):
+                    break
         return torch.cat(steps, dim=1).to(tokens_BT.dtype)
 
 

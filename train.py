@@ -875,13 +875,14 @@ class Loop:
 
 
 def sample(run: Run, model, tokenizer: str):
-    """Says --sample_tokens tokens the model writes after "def "."""
+    """Says up to --sample_tokens tokens the model writes after "def " (up to its end-of-text)."""
     enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
     torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
-    tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)
+    tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V,
+                            stop_id=enc.eot_token)
     run.say("sample:\n" + enc.decode(tokens[0].tolist()))
 
 

@@ -47,6 +47,26 @@ def test_cached_greedy_decode_matches_full_recompute(prompt_len):
     assert torch.equal(out_BS, greedy_by_recompute(model, prompt_BT, 30))
 
 
+def test_generation_stops_at_end_of_text():
+    """A row that samples stop_id keeps it from then on, the others go on as without a stop, and sampling ends once
+    every row has stopped; a stop no row samples changes nothing."""
+    model = tiny_model()
+    prompt_BT = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    free_BS = model.generate(prompt_BT, 12, temperature=0)
+    new = free_BS[:, 5:].tolist()
+    both = next(t for t in new[0] if t in new[1])  # each row samples it: sampling ends early
+    for stop in (new[0][3] if new[0][3] not in new[1] else None, both):
+        first = [row.index(stop) if stop in row else None for row in new]
+        out_BS = model.generate(prompt_BT, 12, temperature=0, stop_id=stop)
+        length = 12 if None in first else max(first) + 1
+        assert out_BS.shape == (2, 5 + length) and (length < 12) == (stop == both)
+        for row, k in enumerate(first):
+            end = 5 + (length if k is None else k + 1)
+            assert torch.equal(out_BS[row, :end], free_BS[row, :end]) and (out_BS[row, end:] == stop).all()
+    unused = next(t for t in range(CFG.vocab_size) if t not in sum(new, []))
+    assert torch.equal(model.generate(prompt_BT, 12, temperature=0, stop_id=unused), free_BS)
+
+
 @torch.no_grad()
 def test_cached_logits_match_the_full_forward():
     model = tiny_model()
@@ -170,7 +190,7 @@ def test_cli_samples_a_checkpoint_and_its_hf_export(saved, capsys):
     assert code == 0 and "2 x 10 tokens in" in err and "tokens/s on cpu" in err
     torch.manual_seed(3)
     expected = model.generate(torch.tensor([enc.encode("def ")] * 2), 10, 0.8, 50, 0.9,
-                              checkpoint.decodable_ids(enc, CLI_CFG.vocab_size))
+                              checkpoint.decodable_ids(enc, CLI_CFG.vocab_size), enc.eot_token)
     assert text == "".join(f"--- sample {i + 1}/2\n{enc.decode(row)}\n" for i, row in enumerate(expected.tolist()))
 
     # The export has no tokenizer: the prompt goes in as ids and ids come out, drawn from the whole (padded) vocab.
@@ -198,6 +218,11 @@ def test_cli_uses_a_hf_folders_tokenizer(saved, capsys, tmp_path):
     code, text, _ = sample_cli(capsys, str(hf_dir), "--prompt=def x", "--max_new_tokens=6", "--temperature=0")
     sample = text.splitlines()[1].split()
     assert code == 0 and sample[:2] == ["def", "x"] and len(sample) == 8 and set(sample) <= set(words)
+    # With the third word as the tokenizer's end-of-text, the sample ends there, and the report says so.
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=sample[2]).save_pretrained(hf_dir)
+    code, text, err = sample_cli(capsys, str(hf_dir), "--prompt=def x", "--max_new_tokens=6", "--temperature=0")
+    assert code == 0 and text.splitlines()[1].split() == sample[:3]
+    assert "1 x 1 tokens in" in err and "every sample reached end-of-text" in err
 
 
 @pytest.mark.parametrize("flags, message", [
