@@ -731,7 +731,8 @@ class Transformer(nn.Module):
         """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
         cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
         arguments. A row that samples stop_id (end-of-text) repeats it from then on, and sampling ends early once
-        every row has. A sharded model's ranks must all call it with the same tokens and RNG state."""
+        every row has. A sharded model's ranks must all call it with the same tokens and RNG state (and with stop_id
+        only where their draws cannot differ: a rank that stops alone leaves the others waiting)."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "

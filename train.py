@@ -875,15 +875,16 @@ class Loop:
 
 
 def sample(run: Run, model, tokenizer: str):
-    """Says up to --sample_tokens tokens the model writes after "def " (up to its end-of-text)."""
+    """Says the --sample_tokens tokens the model writes after "def ", up to an end-of-text. Every rank draws all of
+    them (no early stop), so that the ranks of a sharded model make the same forwards even if their draws differ."""
     enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
     torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
-    tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V,
-                            stop_id=enc.eot_token)
-    run.say("sample:\n" + enc.decode(tokens[0].tolist()))
+    tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)[0].tolist()
+    end = tokens.index(enc.eot_token, prompt.shape[1]) + 1 if enc.eot_token in tokens[prompt.shape[1]:] else None
+    run.say("sample:\n" + enc.decode(tokens[:end]))
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:

@@ -6,9 +6,12 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import data
 import train
 from conftest import TINY_MODEL_FLAGS
 
@@ -136,3 +139,23 @@ def test_compile_defaults_on_with_cuda_only(monkeypatch):
     monkeypatch.setattr(train.parallel, "use_cuda", lambda: True)
     assert train.parse_args([])[0].compile is True
     assert train.parse_args(["--compile=false"])[0].compile is False
+
+
+def test_closing_sample_is_shown_up_to_its_end_of_text(monkeypatch):
+    """train.py's closing sample draws all --sample_tokens tokens on every rank (a rank that stopped alone would leave
+    the others waiting in the forward) and shows them up to the first end-of-text after the prompt."""
+    enc = data.get_encoding("cl100k_base")
+    prompt, said = enc.encode("def "), []
+    drawn = enc.encode(" f(x):") + [enc.eot_token] + enc.encode("import os")
+    cfg = SimpleNamespace(vocab_size=100352)
+    run = SimpleNamespace(device=torch.device("cpu"), tc=SimpleNamespace(seed=0, sample_tokens=len(drawn)), cfg=cfg,
+                          say=said.append)
+    asked = {}
+
+    def generate(tokens_BT, n, **kwargs):
+        asked.update(kwargs, n=n)
+        return torch.tensor([tokens_BT[0].tolist() + drawn])
+
+    train.sample(run, SimpleNamespace(eval=lambda: None, generate=generate), "cl100k_base")
+    assert asked["n"] == len(drawn) and "stop_id" not in asked
+    assert said == ["sample:\n" + enc.decode(prompt + drawn[:drawn.index(enc.eot_token) + 1])]
