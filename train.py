@@ -314,15 +314,16 @@ def world_size() -> int:
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_batches: int, micro_batch: int, autocast) -> float:
-    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks."""
+def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask: bool) -> float:
+    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks; attention
+    kept within documents as training keeps it (doc_mask)."""
     model.eval()
     total, count = torch.zeros((), device=next(model.parameters()).device), 0
     for batch in loader.val_batches(n_batches):
         for i in range(0, batch[0].shape[0], micro_batch):
             tokens_BT, targets_BT, doc_ids_BT = (t[i:i + micro_batch].to(total.device) for t in batch)
             with autocast:
-                total += model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT).float()
+                total += model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT if doc_mask else None).float()
             count += 1
     model.train()
     return parallel.all_reduce_sum_(total / max(count, 1)).item() / world_size()
@@ -461,9 +462,9 @@ class MetricsSinks:
             return
         Path(tc.out_dir, "config.json").write_text(json.dumps(resolved, indent=1))
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines(True) if _logged_step(line) <= start_step]
             cut = Path(f"{self.path}.tmp")
-            cut.write_text("".join(kept))
+            with self.path.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
+                new.writelines(line for line in old if _logged_step(line) <= start_step)
             cut.replace(self.path)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
@@ -782,7 +783,7 @@ class Loop:
             record.update(self.log(step, lr))
         if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
             self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
-                                                          tc.micro_batch, run.autocast)
+                                                          tc.micro_batch, run.autocast, tc.doc_mask)
             run.say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
         self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
@@ -883,8 +884,7 @@ def sample(run: Run, model, tokenizer: str):
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
     tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)[0].tolist()
-    end = tokens.index(enc.eot_token, prompt.shape[1]) + 1 if enc.eot_token in tokens[prompt.shape[1]:] else None
-    run.say("sample:\n" + enc.decode(tokens[:end]))
+    run.say("sample:\n" + enc.decode(checkpoint.up_to_stop(tokens, prompt.shape[1], enc.eot_token)))
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:

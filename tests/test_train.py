@@ -159,3 +159,25 @@ def test_closing_sample_is_shown_up_to_its_end_of_text(monkeypatch):
     train.sample(run, SimpleNamespace(eval=lambda: None, generate=generate), "cl100k_base")
     assert asked["n"] == len(drawn) and "stop_id" not in asked
     assert said == ["sample:\n" + enc.decode(prompt + drawn[:drawn.index(enc.eot_token) + 1])]
+
+
+def test_validation_masks_documents_as_training_does():
+    """evaluate gives the model the batch's document ids with --doc_mask (the default) and none without it, as
+    train_step does, so that val_loss is measured under the attention the model trains with."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, tokens_BT, targets_BT, doc_ids_BT):
+            seen.append(doc_ids_BT)
+            return self.w + 1.0
+
+    batch = (torch.zeros(2, 4, dtype=torch.long),) * 2 + (torch.tensor([[0, 0, 1, 1]] * 2),)
+    loader = SimpleNamespace(val_batches=lambda n: [batch] * n)
+    for doc_mask in (True, False):
+        assert train.evaluate(Model(), loader, 2, 1, torch.autocast("cpu", enabled=False), doc_mask) == 1.0
+        assert all((ids is not None) == doc_mask for ids in seen) and len(seen) == 4
+        seen.clear()
