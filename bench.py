@@ -719,7 +719,7 @@ def model_facts(cfg) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def ns_flops(shape: tuple, steps: int = 5) -> int:
+def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
     """parallel.newton_schulz's matmul FLOPs on [..., O, F] turned Q x W (min, max) wide; per step A = X Xᵀ 2Q²W,
     B = b·A + c·A·A 2Q³, X = a·X + B·X 2Q²W."""
     *stack, O, F = shape

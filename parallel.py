@@ -423,10 +423,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
+NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5  # Keller Jordan's quintic, 5 steps (torch.optim.Muon's too)
 
 
-def newton_schulz(u_XOF: torch.Tensor, steps: int = 5, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
+def newton_schulz(u_XOF: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then `steps` quintic
     iterations in `dtype` (default: the input's), turned wide so the Gram matrices are the small ones; batched."""
@@ -491,7 +491,7 @@ class Muon(torch.optim.Optimizer):
     "peak", the most elements it held assembled at once (one matrix)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_coefficients: tuple = NS_COEFFICIENTS,
+                 nesterov: bool = True, ns_steps: int = NS_STEPS, ns_coefficients: tuple = NS_COEFFICIENTS,
                  ns_eps: float = 1e-7, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
                  ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
