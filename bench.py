@@ -754,10 +754,15 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
             "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
 
 
-def fsdp_memory(world: int, params: int, full: dict, c: int, accum: int, grad_sync: str, keep_gathered: bool) -> dict:
-    """Bytes per GPU of fp32 shards, AdamW state and FSDP's buffers; `full`: each unit's unsharded elements."""
-    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params,
-              "optimizer (AdamW m, v in fp32)": 8 * params}
+def fsdp_memory(world: int, params: int, full: dict, c: int, accum: int, grad_sync: str, keep_gathered: bool,
+                muon_elements: int | None = None) -> dict:
+    """Bytes per GPU of fp32 shards, optimizer state (AdamW's m, v; Muon's one momentum for its `muon_elements`) and
+    FSDP's buffers; `full`: each unit's unsharded elements."""
+    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
+    if muon_elements is None:
+        memory["optimizer (AdamW m, v in fp32)"] = 8 * params
+    else:
+        memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon_elements
     if world == 1:
         return memory
     every, largest = full["root"] + sum(full["blocks"]) + sum(full["experts"]), max(full["blocks"] + full["experts"])
@@ -805,14 +810,11 @@ def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch:
     # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
     full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
             "experts": [Fs * shard(u, Fs) for u in experts]}
-    memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered)
     groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
               "ep": links.span(1, ep)}
     muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) if optimizer == "muon" \
         else None
-    if muon:  # one momentum buffer instead of m, v
-        memory.pop("optimizer (AdamW m, v in fp32)")
-        memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon["elements"]
+    memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered, muon and muon["elements"])
     acts = activation_bytes(cfg, seq, micro_batch, c, ep)
     memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
     if not detail:
