@@ -268,7 +268,7 @@ def _resolve(path: str) -> str:
     return found
 
 
-def _saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
+def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
     """(the complete checkpoint, its config.json, its ModelConfig) for a checkpoint or a root, as _resolve finds it."""
     path = _resolve(path)
     saved = _read_json(path, "config.json")
@@ -504,7 +504,7 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
     """Write a transformers `afmoe` folder (config.json, safetensors shards and an index, the tokenizer: by default
     the data's) from checkpoint `ckpt_path` or a root's newest, one shard in memory at a time. Returns the one used."""
-    path, saved_config, cfg = _saved_checkpoint(ckpt_path)
+    path, saved_config, cfg = saved_checkpoint(ckpt_path)
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     if tokenizer is None:
         warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
@@ -625,7 +625,7 @@ def sampling_model(path: str, device: torch.device):
             return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
         return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok),
                                                 eot_token=tok.eos_token_id), None
-    path, saved, cfg = _saved_checkpoint(path)
+    path, saved, cfg = saved_checkpoint(path)
     model = meta_model(cfg).to_empty(device=device)
     with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
         warnings.simplefilter("ignore")

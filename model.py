@@ -16,6 +16,7 @@ K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
 """
 
 import argparse
+import difflib
 import math
 import warnings
 from dataclasses import dataclass, fields
@@ -130,6 +131,18 @@ PRESETS = {
                          n_kv_heads=8, head_dim=128, window=4096, max_seq_len=8192, n_experts=256, top_k=4,
                          route_scale=2.448, expert_hidden=3072, init_std=0.009),
 }
+
+
+def suggest(word: str, names, aliases: dict | None = None) -> str | None:
+    """The name a mistyped `word` most likely means, for "did you mean": the one `aliases` gives for it (another
+    program's name for the same thing), else the closest of `names` in spelling, or None when none is close. Names are
+    compared without leading dashes; the answer is spelled as in `names`."""
+    bare = {name.lstrip("-"): name for name in names}
+    key = word.lstrip("-").replace("-", "_")
+    if aliases and key in aliases:
+        return bare.get(aliases[key], aliases[key])
+    close = difflib.get_close_matches(key, list(bare), n=1, cutoff=0.6)
+    return bare[close[0]] if close else None
 
 
 def pad_vocab(n_tokens: int, multiple: int = 128) -> int:

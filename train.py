@@ -16,7 +16,6 @@ Under `torchrun --max-restarts=N` a job whose rank dies restarts and resumes fro
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import errno
 import faulthandler
 import importlib.util
@@ -38,7 +37,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel
-from model import PRESETS, ModelConfig, max_vio, meta_model, pad_vocab, update_expert_bias
+from model import PRESETS, ModelConfig, max_vio, meta_model, pad_vocab, suggest, update_expert_bias
 
 
 def _flag(default, help: str):
@@ -110,6 +109,8 @@ class TrainConfig:
     resume_schedule: str = _flag("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
                                          "final LR | stretch it over --steps")
     init_from_hf: str = _flag("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
+    allow_changed: str = _flag("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
+                                   "tokenizer or both, comma-separated (a curriculum change, recorded in config.json)")
     step_timeout: float = _flag(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
                                        "(0: off); also the collective timeout")
     max_bad_steps: int = _flag(5, "stop after this many non-finite (NaN/Inf) steps in a row")
@@ -129,6 +130,8 @@ class TrainConfig:
 def _one_of(name: str, choices) -> tuple:
     return name, lambda v: v in choices, "one of " + ", ".join(choices)
 
+
+CHANGEABLE = ("data", "tokenizer")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
 
 # Each flag's valid values, checked when a TrainConfig is made: one sentence for all, before anything runs.
 # Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
@@ -150,7 +153,9 @@ FLAG_CHECKS = {name: (ok, requirement) for names, ok, requirement in [
     _one_of("preset", PRESETS), _one_of("decay", ("cosine", "linear", "wsd")),
     _one_of("balance", ("smebu", "sign", "none")), _one_of("ac", parallel.AC_MODES),
     _one_of("dtype", ("auto", "bf16", "fp32")), _one_of("optimizer", ("adamw", "muon")),
-    _one_of("wandb_mode", ("auto", "online", "offline", "disabled")), _one_of("resume_schedule", ("keep", "stretch"))]
+    _one_of("wandb_mode", ("auto", "online", "offline", "disabled")), _one_of("resume_schedule", ("keep", "stretch")),
+    ("allow_changed", lambda v: {n.strip() for n in v.split(",")} - {""} <= set(CHANGEABLE),
+     "empty or some of " + ", ".join(CHANGEABLE) + ", comma-separated")]
     for name in names.split()}
 
 
@@ -186,39 +191,47 @@ class _Parser(argparse.ArgumentParser):
         """An unknown flag names the closest valid one, or ours for another trainer's name (OTHER_NAMES)."""
         flags = [a for action in self._actions for a in action.option_strings]
         words = [] if message.startswith("argument ") else message.replace(",", " ").split()
-        for flag in (word.split("=")[0] for word in words if word.startswith("--")):
-            other = OTHER_NAMES.get(flag[2:].replace("-", "_"))
-            close = [f"--{other}"] if other else difflib.get_close_matches(flag, flags, n=1, cutoff=0.5)
-            if flag not in flags and close:
-                message = f"unknown flag {flag}; did you mean {close[0]}?"
-                break
+        unknown = [word.split("=")[0] for word in words if word.startswith("--") and word.split("=")[0] not in flags]
+        if unknown:
+            close = suggest(unknown[0], flags, OTHER_NAMES)
+            message = f"unknown flag {unknown[0]}; " + (f"did you mean {close}?" if close else
+                                                        f"{self.prog} --help lists the flags.")
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _kind(f) -> type:
+    """The type of a flag's value: bool, int, float or str."""
+    return bool if f.type in (bool, bool | None, "bool") else type(f.default)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """The TrainConfig and the model-field overrides (precedence: defaults < preset < --config file < command line)."""
-    parser = _Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The TrainConfig and the model-field overrides (precedence: defaults < preset < --config file < command line;
+    a --preset on the command line replaces the file's whole model table)."""
+    parser = _Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
                                                       "with [train] and [model] tables; flags given here override it")
     model_group = parser.add_argument_group("model overrides (default: the preset's value)")
-    kinds = {}  # "train.lr" / "model.n_layers": the function that parses the flag's text
-    for table, group, flags in (("train", parser, fields(TrainConfig)), ("model", model_group, MODEL_FIELDS.values())):
+    tables = {"train": fields(TrainConfig), "model": MODEL_FIELDS.values()}
+    kinds = {f"{table}.{f.name}": _kind(f) for table, flags in tables.items() for f in flags}  # "train.lr": float
+    for table, flags in tables.items():
         for f in flags:
-            kinds[f"{table}.{f.name}"] = kind = (_parse_bool if f.type in (bool, bool | None) or f.type == "bool"
-                                                 else type(f.default))
-            group.add_argument(f"--{f.name}", type=kind, default=f.default if table == "train" else None,
-                               help=f.metadata.get("help", f"ModelConfig.{f.name}"),
-                               **({"nargs": "?", "const": True} if kind is _parse_bool else {}))
+            kind = _kind(f)
+            shown = f" (default: {f.default})" if table == "train" else ""
+            (parser if table == "train" else model_group).add_argument(
+                f"--{f.name}", type=_parse_bool if kind is bool else kind, default=argparse.SUPPRESS,
+                help=f.metadata.get("help", f"ModelConfig.{f.name}") + shown,
+                **({"nargs": "?", "const": True} if kind is bool else {}))
+    given = vars(parser.parse_args(argv))  # only what the command line says (SUPPRESS: no defaults)
+    config_path = given.pop("config")
     try:
-        config_path = parser.parse_known_args(argv)[0].config
-        if config_path:  # the file's values become the defaults, so that flags on the command line win
-            parser.set_defaults(**read_config(config_path, kinds))
-        args = vars(parser.parse_args(argv))
-        tc = TrainConfig(**{f.name: args[f.name] for f in fields(TrainConfig)})
+        from_file = read_config(config_path, kinds) if config_path else {}
+        if "preset" in given:  # the command line's preset, not the file's model of another preset
+            from_file = {k: v for k, v in from_file.items() if k not in MODEL_FIELDS}
+        values = {**from_file, **given}
+        tc = TrainConfig(**{f.name: values[f.name] for f in fields(TrainConfig) if f.name in values})
     except ValueError as e:  # a bad config file, a value out of its range or choices (FLAG_CHECKS), or --log_to
         parser.error(str(e))
-    overrides = {k: args[k] for k in MODEL_FIELDS if args[k] is not None}
+    overrides = {k: values[k] for k in MODEL_FIELDS if k in values}
     if tc.compile is None:
         tc = dataclasses.replace(tc, compile=parallel.use_cuda())
     return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
@@ -229,11 +242,17 @@ def with_batch_defaults(tc: TrainConfig, world: int) -> TrainConfig:
     return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
 
 
+# Keys of a run's config.json that are facts of the run that wrote it, not settings.
+RUN_FACTS = ("world_size", "tokenizer", "data", "run_id", "from_step")
+TYPE_NAMES = {bool: "bool (true or false)", int: "int", float: "number", str: "string"}
+
+
 def read_config(path: str, kinds: dict) -> dict:
-    """The flag values a config file sets, parsed as the command line parses them: a run's config.json, whose model
-    table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML (.toml) with the
-    same [train] and [model] tables. ValueError, one sentence, for an unreadable file, unknown key or mistyped value."""
-    toml = path.endswith(".toml")
+    """The flag values a config file sets, with the types the command line's flags have: a run's config.json, whose
+    model table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML (.toml)
+    with the same [train] and [model] tables. ValueError, one sentence, for an unreadable file, an unknown key or a
+    value of the wrong type."""
+    toml = path.lower().endswith(".toml")
     try:
         with open(path, "rb") as f:
             if toml:
@@ -245,25 +264,23 @@ def read_config(path: str, kinds: dict) -> dict:
         raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
     if not isinstance(raw, dict):
         raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected train and model tables.")
-    entries = {}  # "train.lr": 0.01, ...; world_size, tokenizer and run_id are facts of the run that wrote it
+    entries = {}  # "train.lr": 0.01, ...
     for key, value in raw.items():
         if key in ("train", "model") and isinstance(value, dict):
             entries.update({f"{key}.{k}": v for k, v in value.items()})
-        elif key not in ("world_size", "tokenizer", "run_id"):
+        elif key not in RUN_FACTS:
             entries[key] = value
-    by_name, values = {k.split(".")[1]: k for k in kinds}, {}
+    by_name = {k.split(".")[1]: k for k in kinds}
+    values = {}
     for key, value in entries.items():
         if key not in kinds:
-            close = difflib.get_close_matches(key.split(".")[-1], list(by_name), n=1, cutoff=0.5)
-            raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {by_name[close[0]]}?"
-                             if close else "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
-        try:
-            if not isinstance(value, (str, int, float)):
-                raise ValueError
-            values[key.split(".")[1]] = kinds[key](str(value))
-        except (ValueError, argparse.ArgumentTypeError):
-            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid "
-                             f"{'bool' if kinds[key] is _parse_bool else kinds[key].__name__}.") from None
+            name = by_name.get(suggest(key if key in OTHER_NAMES else key.split(".")[-1], by_name, OTHER_NAMES))
+            raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {name}?" if name else
+                             "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
+        kind = kinds[key]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {TYPE_NAMES[kind]}.")
+        values[key.split(".")[1]] = kind(value)
     return values
 
 
@@ -433,9 +450,9 @@ def log_sinks(log_to: str) -> list[str]:
     names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
     for name in names:
         if name not in LOG_SINKS:
-            close = difflib.get_close_matches(name, LOG_SINKS, n=1, cutoff=0.5)
+            close = suggest(name, LOG_SINKS)
             raise ValueError(f"--log_to={log_to}: {name} is not one of none, {', '.join(LOG_SINKS)}"
-                             + (f"; did you mean {close[0]}?" if close else "."))
+                             + (f"; did you mean {close}?" if close else "."))
         if importlib.util.find_spec(name) is None:
             raise ValueError(f"--log_to={name} needs the {name} package, which is not installed here: "
                              f"pip install {name}")
@@ -449,6 +466,19 @@ def _logged_step(line: str) -> float:
         return math.inf
 
 
+def write_config(out_dir: Path, resolved: dict, start_step: int):
+    """OUT_DIR/config.json: this launch's config and the step it applies from. A resumed run whose settings (or
+    layout) changed first appends the config before to config_history.jsonl: every config a run trained with is kept."""
+    path = out_dir / "config.json"
+    if start_step and path.exists():
+        before = json.loads(path.read_text())
+        if {k: v for k, v in before.items() if k != "from_step"} == resolved:
+            return  # the same settings: config.json holds them, from the step they first applied
+        with open(out_dir / "config_history.jsonl", "a") as f:
+            f.write(json.dumps(before) + "\n")
+    path.write_text(json.dumps({**resolved, "from_step": start_step}, indent=1))
+
+
 class MetricsSinks:
     """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
     per-layer lists as KEY/00, ...). A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut
@@ -460,7 +490,7 @@ class MetricsSinks:
         self.path = Path(tc.out_dir, "metrics.jsonl") if master else None
         if not master:
             return
-        Path(tc.out_dir, "config.json").write_text(json.dumps(resolved, indent=1))
+        write_config(Path(tc.out_dir), resolved, start_step)
         if self.path.exists():
             cut = Path(f"{self.path}.tmp")
             with self.path.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
@@ -559,20 +589,33 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
     root = os.path.join(tc.out_dir, "checkpoints")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and checkpoint.latest(root):
-        tc = dataclasses.replace(tc, resume="auto")
-    if tc.resume == "auto":
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted this job
+    if restarted and checkpoint.latest(root):  # it continues from its own newest checkpoint
+        return dataclasses.replace(tc, resume="auto"), root
+    if tc.init_from_hf and tc.resume not in ("auto", "none"):
+        raise ValueError(f"--init_from_hf={tc.init_from_hf} and --resume={tc.resume} both name the weights to start "
+                         f"from; pass only one of them.")
+    if tc.resume == "auto" and not tc.init_from_hf:
         return tc, root if checkpoint.latest(root) else None
-    resume_from = None if tc.resume == "none" else tc.resume
+    resume_from = None if tc.resume in ("auto", "none") else tc.resume
     if resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root)):
         return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
-    present = [name for name in ("checkpoints", "metrics.jsonl", "config.json")
+    if restarted:  # the files are its own first attempt's: metrics.jsonl is cut back to the step it starts from
+        return tc, resume_from
+    # A run is its checkpoints and metrics; a config.json alone is what a launch that failed before its first step left.
+    is_run = (os.path.isdir(root) and os.listdir(root)) or os.path.exists(os.path.join(tc.out_dir, "metrics.jsonl"))
+    present = [name for name in ("checkpoints", "metrics.jsonl", "config.json", "config_history.jsonl")
                if os.path.exists(os.path.join(tc.out_dir, name))]
-    if present and not tc.overwrite:
+    if is_run and not tc.overwrite:
+        if tc.init_from_hf:
+            raise ValueError(f"--init_from_hf={tc.init_from_hf} starts from other weights, but --out_dir={tc.out_dir} "
+                             f"holds a run ({', '.join(present)}) that this launch would mix with or delete; choose a "
+                             f"new --out_dir, pass --overwrite to replace that run, or drop --init_from_hf to resume "
+                             f"it.")
         raise ValueError(f"--out_dir={tc.out_dir} holds another run ({', '.join(present)}), which a new run would mix "
                          f"with or delete; continue it with --resume=auto, choose a new --out_dir, or pass --overwrite "
                          f"to replace it.")
-    if present and master:
+    if is_run and master:
         shutil.rmtree(root, ignore_errors=True)
         for name in set(present) - {"checkpoints"}:
             os.remove(os.path.join(tc.out_dir, name))
@@ -667,8 +710,56 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
         cfg = model_config(tc, overrides, manifest["vocab_size"])
     resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
                 "tokenizer": {"name": manifest["tokenizer"],
-                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])}}
-    return Run.on(tc, cfg, rank, world, device), resolved, resume_from
+                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])},
+                "data": {"fingerprint": manifest["fingerprint"]}}
+    run = Run.on(tc, cfg, rank, world, device)
+    if resume_from:
+        compare_settings(resume_from, resolved, run.say)
+    return run, resolved, resume_from
+
+
+# Settings that change what a run trains, compared on resume with the checkpoint's: the data and its order, the
+# optimizer, the schedule, the balancing rule, the losses. (--steps has its own rule, --resume_schedule.)
+SETTINGS = [f"train.{name}" for name in (
+    "data", "seed", "seq_len", "global_batch", "doc_mask", "optimizer", "lr", "muon_lr", "weight_decay",
+    "beta1", "beta2", "muon_momentum", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac", "min_lr_ratio",
+    "balance", "smebu_lambda", "smebu_beta", "smebu_kappa", "sign_gamma", "bias_freeze_step")] + [
+    "model.aux_loss_coef", "model.z_loss_coef"]
+
+
+def compare_settings(resume_from: str, resolved: dict, say):
+    """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
+    data set or tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by
+    accident); the seed, sequence length and global batch fix which tokens each step reads, so they cannot change."""
+    path, saved, _ = checkpoint.saved_checkpoint(resume_from)
+    tc = resolved["train"]
+
+    def value(config: dict, key: str):
+        table, name = key.split(".")
+        return config.get(table, {}).get(name)
+
+    changed = {key.split(".")[1]: (value(saved, key), value(resolved, key)) for key in SETTINGS
+               if value(saved, key) is not None and value(saved, key) != value(resolved, key)}
+    if "data" in saved:  # the same data prepared elsewhere is the same data: its path may move
+        changed.pop("data", None)
+        if saved["data"]["fingerprint"] != resolved["data"]["fingerprint"]:
+            changed["data"] = (saved["train"]["data"], tc["data"])
+    if "tokenizer" in saved and saved["tokenizer"].get("name") != resolved["tokenizer"]["name"]:
+        changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
+    if not changed:
+        return
+    allowed = [name.strip() for name in tc["allow_changed"].split(",") if name.strip()]
+    for name in ("seed", "seq_len", "global_batch"):
+        if name in changed:
+            raise ValueError(f"--{name}={changed[name][1]} differs from the {changed[name][0]} of checkpoint {path}, "
+                             f"which fixes the data order; resume with --{name}={changed[name][0]}, or start a new run.")
+    for name in CHANGEABLE:
+        if name in changed and name not in allowed:
+            raise ValueError(f"--{name}={changed[name][1]} is not the {name} checkpoint {path} was trained on "
+                             f"({changed[name][0]}); resume with --{name}={changed[name][0]}, or pass "
+                             f"--allow_changed={name} to train on the new {name} from here on.")
+    say(f"resuming {path} with settings that differ from its own:\n" +
+        "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
 
 
 def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
@@ -896,7 +987,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     say(run.layout.describe(run.cfg.n_experts))
 
     model, optimizer = build(run)
-    if tc.init_from_hf:
+    if tc.init_from_hf and resume_from is None:  # a restarted job resumes its own checkpoint instead
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
     flops, drills = flops_per_token(run), Drills(run)

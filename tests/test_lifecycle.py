@@ -88,6 +88,65 @@ def test_torchrun_restart_continues_its_first_attempt(finished, corpus_dir, tmp_
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
 
 
+def test_init_from_hf_into_a_run_directory_is_refused(finished, corpus_dir, tmp_path, capsys):
+    """Starting from other weights where a run lives would be overridden by --resume=auto: refused, as a new run is."""
+    out = copy_of(finished, tmp_path)
+    hf = tmp_path / "hf"
+    checkpoint.export_hf(str(finished / "checkpoints"), str(hf))
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=re.escape(f"--init_from_hf={hf} starts from other weights, but --out_dir="
+                                                   f"{out} holds a run (checkpoints, metrics.jsonl, config.json) that "
+                                                   f"this launch would mix with or delete; choose a new --out_dir, "
+                                                   f"pass --overwrite to replace that run, or drop --init_from_hf to "
+                                                   f"resume it.")):
+        train.main(*train.parse_args(args(corpus_dir, out, "--steps=6", f"--init_from_hf={hf}")))
+    assert snapshot(out) == before
+    stdout = run_here(args(corpus_dir, out, "--steps=1", f"--init_from_hf={hf}", "--overwrite"), capsys)
+    assert f"initialised from {hf}" in stdout and "resumed from" not in stdout
+    assert [r["step"] for r in rows(out)] == [1] and ckpts(out) == ["step_00000001"]
+
+
+def test_a_directory_with_only_a_config_is_not_a_run(corpus_dir, tmp_path, capsys):
+    """A launch that failed before its first step leaves config.json alone: the next launch may use the folder."""
+    (tmp_path / "config.json").write_text("{}")
+    run_here(args(corpus_dir, tmp_path, "--steps=1", "--resume=none"), capsys)
+    assert [r["step"] for r in rows(tmp_path)] == [1]
+
+
+@pytest.fixture
+def other_data(corpus_dir, tmp_path_factory):
+    """A second corpus (the standard library's csv module), prepared like corpus_dir."""
+    out = str(tmp_path_factory.mktemp("other_data"))
+    data.prepare([os.path.join(os.path.dirname(os.__file__), "csv.py"), os.path.join(os.path.dirname(os.__file__),
+                  "argparse.py")], out_dir=out, val_fraction=0.5, workers=1, quiet=True)
+    return out
+
+
+def test_resume_on_other_data_is_refused_unless_allowed_and_every_config_is_kept(finished, corpus_dir, other_data,
+                                                                                 tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    newest = out / "checkpoints" / "step_00000004"
+    with pytest.raises(ValueError, match=re.escape(f"--data={other_data} is not the data checkpoint {newest} was "
+                                                   f"trained on ({corpus_dir}); resume with --data={corpus_dir}, or "
+                                                   f"pass --allow_changed=data to train on the new data from here "
+                                                   f"on.")):
+        train.main(*train.parse_args(args(other_data, out, "--steps=5")))
+    with pytest.raises(ValueError, match=re.escape(f"--seed=1 differs from the 0 of checkpoint {newest}, which fixes "
+                                                   f"the data order")):
+        train.main(*train.parse_args(args(corpus_dir, out, "--steps=5", "--seed=1")))
+    moved = shutil.copytree(corpus_dir, tmp_path / "moved")  # the same data at another path is the same data
+    stdout = run_here(args(str(moved), out, "--steps=5", "--lr=2e-2"), capsys)
+    assert f"resuming {newest} with settings that differ from its own:\n  lr: 0.01 -> 0.02\n" in stdout
+    stdout = run_here(args(other_data, out, "--steps=6", "--allow_changed=data"), capsys)
+    assert f"  data: '{moved}' -> '{other_data}'" in stdout and "resumed from" in stdout
+    # config.json holds the last launch's settings and the step they apply from; the earlier ones are kept in order.
+    current = json.loads((out / "config.json").read_text())
+    history = [json.loads(line) for line in (out / "config_history.jsonl").read_text().splitlines()]
+    assert (current["from_step"], current["train"]["data"]) == (5, other_data)
+    assert [(c["from_step"], c["train"]["data"], c["train"]["lr"]) for c in history] == [
+        (0, corpus_dir, 1e-2), (4, str(moved), 2e-2)]
+
+
 def snapshot(out: Path) -> dict:
     """Every file under out: its bytes and modification time."""
     return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
@@ -278,3 +337,10 @@ def test_other_trainers_flag_names_are_suggested(typed, meant, capsys):
     with pytest.raises(SystemExit):
         train.parse_args([typed])
     assert f"did you mean {meant}?" in capsys.readouterr().err
+
+
+def test_nothing_close_is_suggested_for_a_flag_unlike_any(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--bogus=1"])
+    err = capsys.readouterr().err
+    assert "unknown flag --bogus; " in err and "--help lists the flags." in err and "did you mean" not in err

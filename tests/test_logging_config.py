@@ -145,8 +145,28 @@ def test_toml_config_sits_between_the_preset_and_the_flags(tmp_path):
     assert (cfg.n_layers, cfg.n_experts, cfg.dim, cfg.top_k) == (8, 32, nano.dim, nano.top_k)
 
 
+def test_a_preset_on_the_command_line_replaces_the_files_model(corpus_dir, tmp_path):
+    first = tmp_path / "first"
+    train.main(*train.parse_args(run_args(corpus_dir, first, "--steps=1")))
+    tc, overrides = train.parse_args([f"--config={first / 'config.json'}", "--preset=nano", "--n_layers=3"])
+    cfg = train.model_config(tc, overrides, vocab_size=100277)
+    assert tc.preset == "nano" and overrides == {"n_layers": 3}
+    assert cfg == dataclasses.replace(PRESETS["nano"], vocab_size=100352, max_seq_len=tc.seq_len, n_layers=3)
+
+
+def test_upper_case_toml_suffix_is_toml(tmp_path):
+    path = tmp_path / "run.TOML"
+    path.write_text("[train]\nsteps = 7\n")
+    assert train.parse_args([f"--config={path}"])[0].steps == 7
+
+
 @pytest.mark.parametrize("text, message", [
     ("[train]\nwarmup = 100\n", "has an unknown key train.warmup; did you mean train.warmup_steps?"),
+    ("[train]\nlearning_rate = 1e-3\n", "has an unknown key train.learning_rate; did you mean train.lr?"),
+    ("[train]\ndata = 5\n", "sets train.data to 5, which is not a valid string."),
+    ("[train]\nlr = true\n", "sets train.lr to True, which is not a valid number."),
+    ("[train]\nsteps = 1.5\n", "sets train.steps to 1.5, which is not a valid int."),
+    ("[train]\ndoc_mask = 1\n", "sets train.doc_mask to 1, which is not a valid bool (true or false)."),
     ("[train]\nn_layers = 8\n", "has an unknown key train.n_layers; did you mean model.n_layers?"),
     ("lr = 0.1\n", "has an unknown key lr; did you mean train.lr?"),
     ("[train]\nsteps = 'many'\n", "sets train.steps to 'many', which is not a valid int."),
