@@ -19,7 +19,8 @@ import argparse
 import difflib
 import math
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,49 +28,104 @@ import torch.nn.functional as F
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Configuration
+# Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
+
+@dataclass(frozen=True)
+class Rule:
+    """What a setting's value must be: ok(value, settings) and the words that say so ("at least 1"), which may name
+    other fields ("a multiple of n_kv_heads={n_kv_heads}"). A one_of rule's choices are listed by --help."""
+    ok: Callable
+    words: str
+    choices: tuple = ()
+
+    def parse(self, kind: type) -> Callable:
+        """An argparse type for a flag outside a dataclass: kind(text), refused in the rule's words."""
+        def parse(text: str):
+            value = kind(text)
+            if not self.ok(value, None):
+                raise argparse.ArgumentTypeError(f"{text} must be {self.words}")
+            return value
+        parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
+        return parse
+
+
+def at_least(low: float, words: str = "") -> Rule:
+    return Rule(lambda v, _: v >= low, words or f"at least {low:g}")
+
+
+def above(low: float, words: str = "") -> Rule:
+    return Rule(lambda v, _: v > low, words or f"above {low:g}")
+
+
+def one_of(*choices) -> Rule:
+    return Rule(lambda v, _: v in choices, "one of " + ", ".join(map(str, choices)), choices)
+
+
+def option(default, help: str, rule: Rule | None = None):
+    """A settings field: its default, its help (with a one_of rule's choices) and its rule."""
+    if rule is not None and rule.choices:
+        help = f"{help}: {' | '.join(map(str, rule.choices))}"
+    return field(default=default, metadata={"help": help, "rule": rule})
+
+
+def check(settings) -> None:
+    """Raise ValueError, one sentence, naming every field of the dataclass `settings` whose value breaks its rule."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    problems = [f"--{f.name}={values[f.name]!s} must be {f.metadata['rule'].words.format(**values)}"
+                for f in fields(settings) if f.metadata.get("rule") and not f.metadata["rule"].ok(values[f.name],
+                                                                                                   settings)]
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
+def suggest(word: str, names, aliases: dict | None = None) -> str | None:
+    """The name a mistyped `word` most likely means, for "did you mean": the one `aliases` gives for it (another
+    program's name for the same thing), else the closest of `names` in spelling, or None when none is close. Names are
+    compared without leading dashes; the answer is spelled as in `names`."""
+    bare = {name.lstrip("-"): name for name in names}
+    key = word.lstrip("-").replace("-", "_")
+    if aliases and key in aliases:
+        return bare.get(aliases[key], aliases[key])
+    close = difflib.get_close_matches(key, list(bare), n=1, cutoff=0.6)
+    return bare[close[0]] if close else None
+
+
+POSITIVE = at_least(1)
+NON_NEGATIVE = at_least(0, "0 or more")
+
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 100352        # cl100k_base (100277 tokens) padded up to a multiple of 128
-    dim: int = 128
-    n_layers: int = 4
-    n_dense_layers: int = 1         # the first layers use a dense SwiGLU FFN instead of the MoE block
-    dense_hidden: int = 384
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 32
-    window: int = 64                # sliding window of local layers: query t sees keys t-window+1 .. t
-    global_every: int = 4           # layer i is global when (i+1) % global_every == 0
-    max_seq_len: int = 256
-    n_experts: int = 256            # routed experts
-    n_shared_experts: int = 1
-    top_k: int = 4
-    route_scale: float = 2.448
-    expert_hidden: int = 32         # I, each routed expert's FFN width
-    init_std: float = 0.044         # 0.5 / sqrt(dim) unless the preset says otherwise
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    mup: bool = True                # embedding activations x sqrt(dim)
-    aux_loss_coef: float = 1e-4     # sequence-wise balance loss α
-    z_loss_coef: float = 1e-6       # router z-loss (larger destabilised Trinity Large)
+    vocab_size: int = option(100352, "embedding and head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
+    dim: int = option(128, "model width D", POSITIVE)
+    n_layers: int = option(4, "transformer blocks", POSITIVE)
+    n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
+                                 Rule(lambda v, c: 0 <= v <= c.n_layers, "between 0 and n_layers={n_layers}"))
+    dense_hidden: int = option(384, "the dense FFN's hidden width",
+                               Rule(lambda v, c: v >= 1 or not c.n_dense_layers, "at least 1 when there are dense "
+                                                                                  "layers"))
+    n_heads: int = option(4, "query heads H", Rule(lambda v, c: v >= 1 and (c.n_kv_heads < 1 or v % c.n_kv_heads == 0),
+                                                    "at least 1 and a multiple of n_kv_heads={n_kv_heads}"))
+    n_kv_heads: int = option(2, "key/value heads G (grouped-query attention)", POSITIVE)
+    head_dim: int = option(32, "Dh, per head", Rule(lambda v, _: v >= 2 and v % 2 == 0, "even, for rotary embeddings"))
+    window: int = option(64, "sliding window of local layers: query t sees keys t-window+1 .. t", POSITIVE)
+    global_every: int = option(4, "layer i is global when (i+1) % global_every == 0", POSITIVE)
+    max_seq_len: int = option(256, "the longest sequence the model is trained for (exported as such)", POSITIVE)
+    n_experts: int = option(256, "routed experts E", POSITIVE)
+    n_shared_experts: int = option(1, "shared experts, which see every token", NON_NEGATIVE)
+    top_k: int = option(4, "routed experts per token K", Rule(lambda v, c: 1 <= v <= c.n_experts,
+                                                               "between 1 and n_experts={n_experts}"))
+    route_scale: float = option(2.448, "scale of the gates, which are normalised over the chosen k", above(0))
+    expert_hidden: int = option(32, "I, each routed expert's FFN width (the shared expert's too)", POSITIVE)
+    init_std: float = option(0.044, "σ of the truncated-normal init (0.5 / sqrt(dim) unless a preset says)", above(0))
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", above(0))
+    rope_theta: float = option(10000.0, "RoPE base", above(0))
+    mup: bool = option(True, "embedding activations x sqrt(dim)")
+    aux_loss_coef: float = option(1e-4, "sequence-wise balance loss α", NON_NEGATIVE)
+    z_loss_coef: float = option(1e-6, "router z-loss (larger destabilised Trinity Large)", NON_NEGATIVE)
 
     def __post_init__(self):
-        checks = [  # (fields, fails(value), what a valid value is)
-            ("vocab_size dim n_layers n_heads n_kv_heads head_dim window global_every max_seq_len n_experts "
-             "expert_hidden", lambda v: v < 1, "at least 1"),
-            ("init_std norm_eps rope_theta route_scale", lambda v: not v > 0, "above 0"),
-            ("n_shared_experts aux_loss_coef z_loss_coef", lambda v: v < 0, "0 or more"),
-            ("dense_hidden", lambda v: self.n_dense_layers and v < 1, "at least 1 when there are dense layers"),
-            ("n_heads", lambda v: self.n_kv_heads >= 1 and v % self.n_kv_heads,
-             f"a multiple of n_kv_heads={self.n_kv_heads}"),
-            ("top_k", lambda v: not 0 < v <= self.n_experts, f"between 1 and n_experts={self.n_experts}"),
-            ("n_dense_layers", lambda v: not 0 <= v <= self.n_layers, f"between 0 and n_layers={self.n_layers}"),
-            ("head_dim", lambda v: v % 2, "even for rotary embeddings")]
-        problems = [f"{name}={getattr(self, name)} must be {rule}"
-                    for names, fails, rule in checks for name in names.split() if fails(getattr(self, name))]
-        if problems:
-            raise ValueError("Invalid ModelConfig: " + "; ".join(problems) + ".")
+        check(self)
 
     def is_global(self, layer: int) -> bool:
         return (layer + 1) % self.global_every == 0
@@ -131,18 +187,6 @@ PRESETS = {
                          n_kv_heads=8, head_dim=128, window=4096, max_seq_len=8192, n_experts=256, top_k=4,
                          route_scale=2.448, expert_hidden=3072, init_std=0.009),
 }
-
-
-def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means, for "did you mean": the one `aliases` gives for it (another
-    program's name for the same thing), else the closest of `names` in spelling, or None when none is close. Names are
-    compared without leading dashes; the answer is spelled as in `names`."""
-    bare = {name.lstrip("-"): name for name in names}
-    key = word.lstrip("-").replace("-", "_")
-    if aliases and key in aliases:
-        return bare.get(aliases[key], aliases[key])
-    close = difflib.get_close_matches(key, list(bare), n=1, cutoff=0.6)
-    return bare[close[0]] if close else None
 
 
 def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
@@ -485,6 +529,9 @@ def max_vio(counts_E: torch.Tensor) -> float:
     return ((counts_E.max() - counts_E.mean()) / counts_E.mean().clamp(min=1e-9)).item()
 
 
+BALANCE_RULES = ("smebu", "sign", "none")
+
+
 @torch.no_grad()
 def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", lam: float = 5e-4,
                        beta: float = 0.5, kappa: float = 2.0, gamma: float = 1e-3):
@@ -500,8 +547,6 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
     elif rule == "sign":
         delta_E = gamma * torch.sign(mean - counts_E)
         bias_E += delta_E - delta_E.mean()
-    elif rule != "none":
-        raise ValueError(f"unknown balancing rule {rule!r}; use smebu, sign or none")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
 from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn
 
 AC_MODES = ("none", "full", "selective")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -156,11 +157,7 @@ class Layout:
     def check(self, model_cfg: ModelConfig, global_batch: int, micro_batch: int):
         """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg` on
         `global_batch` sequences in micro-batches of `micro_batch`: on every rank alike, before any collective."""
-        W, R, ep, E = self.world, self.dp_replicate, self.ep, model_cfg.n_experts
-        for name, value in (("world", W), ("dp_replicate", R), ("ep", ep), ("global_batch", global_batch),
-                            ("micro_batch", micro_batch)):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be a positive integer.")
+        W, R, ep, E = self.world, self.dp_replicate, self.ep, model_cfg.n_experts  # each >= 1 (TrainConfig's rules)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != W:
             raise ValueError(f"Layout(world={W}) does not match the {dist.get_world_size()} launched processes; "
                              f"pass world={dist.get_world_size()}.")
@@ -279,11 +276,8 @@ class ExpertParallelExperts(GroupedExperts):
 
 def apply_ep(model: Transformer, mesh: DeviceMesh):
     """Split every MoE layer's routed experts over the "ep" mesh dim (E/ep per rank)."""
-    ep_mesh = mesh["ep"]
     for moe in model.moe_layers():
-        if moe.n_experts % ep_mesh.size():
-            raise ValueError(f"n_experts={moe.n_experts} is not divisible by ep={ep_mesh.size()}.")
-        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh)
+        moe.experts = ExpertParallelExperts(moe.experts, mesh["ep"])
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
@@ -333,8 +327,6 @@ def _sac_policy(ctx, op, *args, **kwargs):
 def apply_ac(model: Transformer, mode: str):
     """"full": recompute every block in backward; "selective": recompute all but matmuls and all-to-alls. The
     block's forward is wrapped in place (no wrapper module), so state-dict names do not change."""
-    if mode not in AC_MODES:
-        raise ValueError(f"ac={mode!r} is not one of {AC_MODES}.")
     if mode == "none":
         return
     context_fn = noop_context_fn
@@ -487,8 +479,7 @@ class Muon(torch.optim.Optimizer):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
     Row-sharded matrices (FSDP's dense weights) are dealt to the ranks of their shard group, whole matrices (the
-    experts) stay. `gathered`, for this rank's last step: the "elements" and "matrices" it assembled whole, and
-    "peak", the most elements it held assembled at once (one matrix)."""
+    experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = NS_STEPS, ns_coefficients: tuple = NS_COEFFICIENTS,
@@ -500,7 +491,6 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
-        self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
         for p in (p for group in self.param_groups if group["muon"] for p in group["params"]):
             muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
 
@@ -520,12 +510,8 @@ class Muon(torch.optim.Optimizer):
         mine.add_(o_XOF.reshape(mine.shape), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.gathered = {"elements": 0, "matrices": 0, "peak": 0}
+    def step(self, closure=None):  # the Optimizer interface: DCP's state-dict code calls step(closure=None)
+        assert closure is None, "Muon.step evaluates no closure: compute the loss and backward first"
         by_layout = {}  # muon_layout -> [(param, update, group)]; None for whole matrices
         for group in self.param_groups:
             if not group["muon"]:
@@ -542,7 +528,6 @@ class Muon(torch.optim.Optimizer):
         self._orthogonalise_local(by_layout.pop(None, []))
         for (mesh, mesh_dim), items in by_layout.items():
             self._orthogonalise_sharded(items, mesh, mesh_dim)
-        return loss
 
     def _orthogonalise_local(self, items: list):
         """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
@@ -587,9 +572,6 @@ class Muon(torch.optim.Optimizer):
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
                 p, _, group = items[mine]
-                self.gathered["elements"] += full.numel()
-                self.gathered["matrices"] += 1
-                self.gathered["peak"] = max(self.gathered["peak"], full.numel())
                 full = self._ns(full.view(1, *p.shape), group).reshape(-1)
             back = torch.empty(sum(send_splits), dtype=dtype, device=device)
             dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
@@ -624,8 +606,6 @@ def build_optimizer(model, tc, fused: bool = True):
         groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
                   {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
-    if tc.optimizer != "muon":
-        raise ValueError(f"--optimizer={tc.optimizer} is not one of adamw, muon.")
     if tc.lr <= 0:
         raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
     hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -37,126 +37,109 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel
-from model import PRESETS, ModelConfig, max_vio, meta_model, pad_vocab, suggest, update_expert_bias
+from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, Rule, above, at_least, check, max_vio, meta_model,
+                   one_of, option, pad_vocab, suggest, update_expert_bias)
 
 
-def _flag(default, help: str):
-    return field(default=default, metadata={"help": help})
+FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
+OFF_OR_MORE = at_least(0, "0 (off) or more")
+CHANGEABLE = ("data", "tokenizer")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
 
 
 @dataclass
 class TrainConfig:
+    """Every field is a --flag=value option, checked by its rule when the config is made: one sentence for all bad
+    values, before anything runs. Sizes, batches and the layout are checked where they meet (parallel.Layout)."""
     # model and data
-    preset: str = _flag("tiny", f"model preset: {', '.join(PRESETS)}; ModelConfig fields are flags too (--n_layers=8)")
-    data: str = _flag(data.DEFAULT_DATA_DIR, "python data.py's output; the default corpus is prepared when absent")
-    tokenizer: str = _flag("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
-                                          "folder; sizes the vocabulary")
-    seq_len: int = _flag(128, "tokens per sequence")
-    doc_mask: bool = _flag(True, "intra-document attention masking (a token sees only its own document)")
+    preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
+    data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output; the default corpus is prepared when absent")
+    tokenizer: str = option("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
+                                           "folder; sizes the vocabulary")
+    seq_len: int = option(128, "tokens per sequence", POSITIVE)
+    doc_mask: bool = option(True, "intra-document attention masking (a token sees only its own document)")
     # batch and schedule
-    steps: int = _flag(150, "optimizer steps")
-    global_batch: int = _flag(8, "sequences per optimizer step, whatever the number of ranks")
-    micro_batch: int = _flag(0, "sequences per rank per forward, accumulated (0: global_batch / world size: none)")
-    lr: float = _flag(5e-3, "peak learning rate")
-    min_lr_ratio: float = _flag(0.1, "final LR as a fraction of the peak")
-    warmup_steps: int = _flag(20, "linear warmup steps")
-    decay: str = _flag("cosine", "LR decay after warmup: cosine | linear | wsd (constant, then a linear decay)")
-    wsd_decay_frac: float = _flag(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd")
-    weight_decay: float = _flag(0.1, "AdamW weight decay on matrices (not norms or biases)")
-    beta1: float = _flag(0.9, "AdamW beta1")
-    beta2: float = _flag(0.95, "AdamW beta2")
-    optimizer: str = _flag("adamw", "adamw | muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW "
-                                    "at --lr for the embedding, head, router and norms (as Trinity trained)")
-    muon_lr: float = _flag(5e-2, "peak Muon LR on --lr's schedule, scaled per matrix by sqrt(max(1, fan_out/fan_in))")
-    muon_momentum: float = _flag(0.95, "Muon momentum (Nesterov)")
-    grad_clip: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
-    seed: int = _flag(0, "seed for initialisation and data order")
+    steps: int = option(150, "optimizer steps", POSITIVE)
+    global_batch: int = option(8, "sequences per optimizer step, whatever the number of ranks", POSITIVE)
+    micro_batch: int = option(0, "sequences per rank per forward, accumulated (0: global_batch / world size: none)",
+                              at_least(0, "0 (global_batch / world size) or more"))
+    lr: float = option(5e-3, "peak learning rate", NON_NEGATIVE)
+    min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak", Rule(lambda v, _: 0 <= v <= 1,
+                                                                                  "between 0 and 1"))
+    warmup_steps: int = option(20, "linear warmup steps", NON_NEGATIVE)
+    decay: str = option("cosine", "LR decay after warmup (wsd: constant, then a linear decay)",
+                        one_of("cosine", "linear", "wsd"))
+    wsd_decay_frac: float = option(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd",
+                                   Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1"))
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices (not norms or biases)", NON_NEGATIVE)
+    beta1: float = option(0.9, "AdamW beta1", FRACTION)
+    beta2: float = option(0.95, "AdamW beta2", FRACTION)
+    optimizer: str = option("adamw", "muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW at "
+                                     "--lr for the embedding, head, router and norms (as Trinity trained)",
+                            one_of(*parallel.OPTIMIZERS))
+    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, scaled per matrix by sqrt(max(1, fan_out/fan_in))",
+                            NON_NEGATIVE)
+    muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", FRACTION)
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
+    seed: int = option(0, "seed for initialisation and data order")
     # expert load balancing (the bias rules are model.update_expert_bias's)
-    balance: str = _flag("smebu", "expert-bias update once per step: smebu | sign | none")
-    smebu_lambda: float = _flag(5e-4, "SMEBU step size λ")
-    smebu_beta: float = _flag(0.5, "SMEBU momentum β")
-    smebu_kappa: float = _flag(2.0, "SMEBU tanh sharpness κ")
-    sign_gamma: float = _flag(1e-3, "sign-rule step size γ")
-    bias_freeze_step: int = _flag(-1, "stop expert-bias updates from this step on (-1: never)")
+    balance: str = option("smebu", "expert-bias update once per step", one_of(*BALANCE_RULES))
+    smebu_lambda: float = option(5e-4, "SMEBU step size λ", NON_NEGATIVE)
+    smebu_beta: float = option(0.5, "SMEBU momentum β", FRACTION)
+    smebu_kappa: float = option(2.0, "SMEBU tanh sharpness κ", above(0))
+    sign_gamma: float = option(1e-3, "sign-rule step size γ", NON_NEGATIVE)
+    bias_freeze_step: int = option(-1, "only steps 0 .. N-1 move the expert bias (-1: every step)",
+                                   at_least(-1, "-1 (never) or a step number"))
     # parallelism and precision (parallel.py)
-    dp_replicate: int = _flag(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R")
-    ep: int = _flag(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks")
-    ac: str = _flag("none", "activation checkpointing: none | full | selective")
-    keep_gathered: bool = _flag(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
-                                       "one all-gather per step, not two per micro-batch, for the whole model's memory")
-    compile: bool | None = _flag(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
-    dtype: str = _flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    dp_replicate: int = option(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R", POSITIVE)
+    ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
+    ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
+    keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
+                                        "one all-gather per step, not two per micro-batch, for the whole model's memory")
+    compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
+    dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
     # logging and evaluation
-    out_dir: str = _flag("out", "where metrics.jsonl, config.json and checkpoints go")
-    log_every: int = _flag(10, "log every N steps")
-    log_to: str = _flag("none", "also log metrics to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
-    wandb_project: str = _flag("nanotitan", "Weights & Biases project, with --log_to=wandb")
-    wandb_mode: str = _flag("auto", "W&B mode: auto (WANDB_MODE, else online) | online | offline (wandb sync uploads "
-                                    "later) | disabled")
-    eval_every: int = _flag(50, "validate every N steps (and at the end; 0: only at the end)")
-    eval_batches: int = _flag(4, "validation batches (of global_batch sequences) per evaluation")
-    peak_tflops: float = _flag(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)")
-    sample_tokens: int = _flag(48, "tokens sampled from a prompt at the end (0: none)")
+    out_dir: str = option("out", "where metrics.jsonl, config.json and checkpoints go")
+    log_every: int = option(10, "log every N steps", POSITIVE)
+    log_to: str = option("none", "also log metrics to tensorboard (OUT_DIR/tensorboard), wandb or both, "
+                                 "comma-separated")
+    wandb_project: str = option("nanotitan", "Weights & Biases project, with --log_to=wandb")
+    wandb_mode: str = option("auto", "W&B mode (auto: WANDB_MODE, else online; offline: wandb sync uploads later)",
+                             one_of("auto", "online", "offline", "disabled"))
+    eval_every: int = option(50, "validate every N steps (and at the end; 0: only at the end)",
+                             at_least(0, "0 (only at the end) or more"))
+    eval_batches: int = option(4, "validation batches (of global_batch sequences) per evaluation", POSITIVE)
+    peak_tflops: float = option(0.0, "device bf16 peak for MFU; 0: from the device table (unknown: n/a)",
+                                at_least(0, "0 (from the device table) or more"))
+    sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints and fault tolerance (checkpoint.py)
-    ckpt_every: int = _flag(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)")
-    ckpt_minutes: float = _flag(30.0, "also checkpoint when this many minutes have passed since the last one (0: off)")
-    keep_ckpts: int = _flag(3, "keep the newest K complete checkpoints of this run")
-    async_ckpt: bool = _flag(True, "write checkpoints in the background while training continues")
-    resume: str = _flag("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: start "
-                                "fresh; or a checkpoint directory")
-    overwrite: bool = _flag(False, "a new run deletes OUT_DIR's other run (checkpoints, metrics.jsonl, config.json) "
-                                   "instead of being refused")
-    resume_schedule: str = _flag("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
-                                         "final LR | stretch it over --steps")
-    init_from_hf: str = _flag("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    allow_changed: str = _flag("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
-                                   "tokenizer or both, comma-separated (a curriculum change, recorded in config.json)")
-    step_timeout: float = _flag(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
-                                       "(0: off); also the collective timeout")
-    max_bad_steps: int = _flag(5, "stop after this many non-finite (NaN/Inf) steps in a row")
-    crash_at_step: int = _flag(-1, "fault drill: the last rank dies after this step (first launch only)")
-    stall_at_step: int = _flag(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
-    nan_at_step: int = _flag(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
-    skew_router: float = _flag(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
+    ckpt_every: int = option(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)",
+                             OFF_OR_MORE)
+    ckpt_minutes: float = option(30.0, "also checkpoint when this many minutes have passed since the last one "
+                                       "(0: off)", OFF_OR_MORE)
+    keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
+    async_ckpt: bool = option(True, "write checkpoints in the background while training continues")
+    resume: str = option("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: "
+                                 "start fresh; or a checkpoint directory")
+    overwrite: bool = option(False, "a new run deletes OUT_DIR's other run (checkpoints, metrics.jsonl, config.json) "
+                                    "instead of being refused")
+    resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
+                                          "final LR, or stretch it over --steps", one_of("keep", "stretch"))
+    init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
+    allow_changed: str = option("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
+                                    "tokenizer or both, comma-separated (a curriculum change, recorded in "
+                                    "config.json)", Rule(lambda v, _: {n.strip() for n in v.split(",")} - {""}
+                                                         <= set(CHANGEABLE), "empty or some of data, tokenizer"))
+    step_timeout: float = option(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
+                                        "(0: off); also the collective timeout", OFF_OR_MORE)
+    max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
+    crash_at_step: int = option(-1, "fault drill: the last rank dies after this step (first launch only)")
+    stall_at_step: int = option(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
+    nan_at_step: int = option(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
+    skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
-        problems = [f"--{f.name}={getattr(self, f.name)} must be {FLAG_CHECKS[f.name][1]}" for f in fields(self)
-                    if f.name in FLAG_CHECKS and not FLAG_CHECKS[f.name][0](getattr(self, f.name))]
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
+        check(self)
         log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
-
-
-def _one_of(name: str, choices) -> tuple:
-    return name, lambda v: v in choices, "one of " + ", ".join(choices)
-
-
-CHANGEABLE = ("data", "tokenizer")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
-
-# Each flag's valid values, checked when a TrainConfig is made: one sentence for all, before anything runs.
-# Sizes, batches and the layout are checked where they are used (data.py, parallel.py).
-FLAG_CHECKS = {name: (ok, requirement) for names, ok, requirement in [
-    ("steps log_every eval_batches keep_ckpts max_bad_steps", lambda v: v >= 1, "at least 1"),
-    ("lr warmup_steps weight_decay muon_lr smebu_lambda sign_gamma", lambda v: v >= 0, "0 or more"),
-    ("min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1"),
-    ("wsd_decay_frac", lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    ("beta1 beta2 muon_momentum smebu_beta", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-    ("smebu_kappa", lambda v: v > 0, "above 0"),
-    ("bias_freeze_step", lambda v: v >= -1, "-1 (never) or a step number"),
-    ("grad_clip", lambda v: v >= 0, "0 (no clipping) or more"),
-    ("eval_every", lambda v: v >= 0, "0 (only at the end) or more"),
-    ("peak_tflops", lambda v: v >= 0, "0 (from the device table) or more"),
-    ("sample_tokens", lambda v: v >= 0, "0 (no sample) or more"),
-    ("micro_batch", lambda v: v >= 0, "0 (global_batch / world size) or more"),
-    ("ckpt_every", lambda v: v >= 0, "0 (only by time, at the end and on preemption) or more"),
-    ("ckpt_minutes step_timeout", lambda v: v >= 0, "0 (off) or more"),
-    _one_of("preset", PRESETS), _one_of("decay", ("cosine", "linear", "wsd")),
-    _one_of("balance", ("smebu", "sign", "none")), _one_of("ac", parallel.AC_MODES),
-    _one_of("dtype", ("auto", "bf16", "fp32")), _one_of("optimizer", ("adamw", "muon")),
-    _one_of("wandb_mode", ("auto", "online", "offline", "disabled")), _one_of("resume_schedule", ("keep", "stretch")),
-    ("allow_changed", lambda v: {n.strip() for n in v.split(",")} - {""} <= set(CHANGEABLE),
-     "empty or some of " + ", ".join(CHANGEABLE) + ", comma-separated")]
-    for name in names.split()}
 
 
 # --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option

@@ -62,7 +62,7 @@ def test_out_of_range_flag_is_one_sentence_before_anything_runs(flags, message, 
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--dim=0", "--window=0"], "Invalid ModelConfig: dim=0 must be at least 1; window=0 must be at least 1."),
+    (["--dim=0", "--window=0"], "--dim=0 must be at least 1; --window=0 must be at least 1."),
     (["--norm_eps=-1"], "norm_eps=-1.0 must be above 0"),
     (["--n_kv_heads=0"], "n_kv_heads=0 must be at least 1"),
     (["--max_seq_len=32", "--seq_len=64"], "--max_seq_len=32 is below --seq_len=64"),
