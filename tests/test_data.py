@@ -83,6 +83,12 @@ def all_windows(data_dir, split, seq_len):
     return windows
 
 
+def batch_rows(batch):
+    """A batch's rows as windows of seq_len + 1 tokens: the tokens, then the last target."""
+    tokens, targets, _ = batch
+    return [tuple(x) + (y[-1],) for x, y in zip(tokens.tolist(), targets.tolist())]
+
+
 @pytest.fixture
 def fake(tmp_path):
     return write_fake_dataset(tmp_path / "fake", [1000, 1500, 701])
@@ -306,6 +312,28 @@ def test_one_epoch_reads_every_sequence_exactly_once(fake):
         rows += [tuple(x) + (y[-1],) for x, y in zip(tokens.tolist(), targets.tolist())]
     assert sorted(rows[:len(expected)]) == sorted(expected)
     assert loader.epoch_of(len(expected) // global_batch + 1) == 1 and loader.epoch_of(0) == 0
+
+
+def test_every_epoch_is_a_new_permutation_also_after_a_resume(corpus_dir):
+    """Epoch e of the train split reads its sequences in the order permute(range(n), n, seed, e), checked against the
+    windows read straight from the shards: every epoch a new order, the same rows for a loader resumed inside the
+    second epoch."""
+    seq_len, global_batch, seed = 64, 12, 3
+    windows = all_windows(corpus_dir, "train", seq_len)
+    n = len(windows)
+    steps = -(-3 * n // global_batch)  # three whole epochs; the last step runs into the fourth
+    loader = DataLoader(corpus_dir, seq_len=seq_len, global_batch=global_batch, seed=seed)
+    rows = [row for step in range(steps) for row in batch_rows(loader.batch(step))]
+    epochs = [rows[e * n:(e + 1) * n] for e in range(3)]
+    for e, read in enumerate(epochs):
+        assert read == [windows[i] for i in permute(np.arange(n), n, seed, e)], f"epoch {e}"
+    assert epochs[1] != epochs[0] and epochs[2] != epochs[1]
+    resume_step = 3 * n // 2 // global_batch  # halfway through the second epoch
+    assert resume_step * global_batch // n == 1
+    resumed = DataLoader(corpus_dir, seq_len=seq_len, global_batch=global_batch, seed=seed)
+    resumed.load_state_dict({"step": resume_step, "seed": seed, "seq_len": seq_len, "global_batch": global_batch})
+    again = [row for step in range(resumed.step, steps) for row in batch_rows(resumed.batch(step))]
+    assert again == rows[resume_step * global_batch:]
 
 
 def test_ranks_read_disjoint_slices_of_the_same_global_batch(fake):

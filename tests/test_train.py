@@ -1,5 +1,8 @@
-"""train.py: the command line, the schedule, and short single-process runs (loss falls, NaN guard, resume)."""
+"""train.py: the command line, the schedule, short single-process runs (loss falls, NaN guard, resume), and what one
+train_step promises (the z-loss in the gradient, a skipped step that changes nothing, the bias freeze step)."""
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -12,8 +15,10 @@ import pytest
 import torch
 
 import data
+import parallel
 import train
 from conftest import TINY_MODEL_FLAGS
+from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,3 +186,103 @@ def test_validation_masks_documents_as_training_does():
         assert train.evaluate(Model(), loader, 2, 1, torch.autocast("cpu", enabled=False), doc_mask) == 1.0
         assert all((ids is not None) == doc_mask for ids in seen) and len(seen) == 4
         seen.clear()
+
+
+# --- one train_step, as the loop calls it
+
+# Two MoE layers after a dense one, 8 experts, a 128-token vocabulary: train_step in milliseconds.
+STEP_CFG = ModelConfig(vocab_size=128, dim=32, n_layers=3, n_dense_layers=1, dense_hidden=64, n_heads=2, n_kv_heads=1,
+                       head_dim=16, window=8, max_seq_len=16, n_experts=8, top_k=2, expert_hidden=16)
+NO_AUTOCAST = torch.autocast("cpu", enabled=False)
+
+
+def step_setup(cfg: ModelConfig, **flags):
+    """(model, train.py's optimizer for it, a TrainConfig of 4 sequences of 16 tokens in one micro-batch, a fresh
+    TrainState)."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tc = train.TrainConfig(global_batch=4, micro_batch=4, seq_len=16, **flags)
+    return model, parallel.build_optimizer(model, tc), tc, train.TrainState.fresh(model, torch.device("cpu"))
+
+
+def random_batch(step: int):
+    """(tokens_BT, targets_BT, doc_ids_BT): 4 random sequences of 16 tokens, one document each, seeded by step."""
+    rows_BT = torch.randint(0, STEP_CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(step))
+    return rows_BT[:, :-1], rows_BT[:, 1:], torch.zeros(4, 16, dtype=torch.long)
+
+
+def biases(model) -> torch.Tensor:
+    return torch.stack([moe.expert_bias.clone() for moe in model.moe_layers()])
+
+
+def test_router_z_loss_reaches_the_gradient_the_optimizer_applies():
+    """With z_loss_coef > 0, each router's gradient that train_step hands the optimizer is that of lm loss + aux loss
+    + z-loss, the z-loss computed here from each MoE layer's input: coef * mean over tokens of logsumexp(router
+    logits)^2, summed over the MoE layers."""
+    cfg = dataclasses.replace(STEP_CFG, z_loss_coef=1e-2)
+    model, optimizer, tc, state = step_setup(cfg, grad_clip=0.0)  # unclipped: the gradient as backward left it
+    reference = copy.deepcopy(model)
+    handed = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: handed.extend(moe.router.weight.grad.clone() for moe in model.moe_layers()))
+    batch = random_batch(0)
+    out = train.train_step(model, optimizer, batch, tc, NO_AUTOCAST, state)
+
+    inputs_BTD = []  # each MoE layer's input, in layer order
+    for moe in reference.moe_layers():
+        moe.register_forward_pre_hook(lambda module, args: inputs_BTD.append(args[0]))
+    tokens_BT, targets_BT, doc_ids_BT = batch
+    lm_loss, stats = reference(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT, return_stats=True)
+    routers = [moe.router.weight for moe in reference.moe_layers()]
+    z_loss = sum(cfg.z_loss_coef * torch.logsumexp(x_BTD.flatten(0, 1) @ w.T, -1).pow(2).mean()
+                 for x_BTD, w in zip(inputs_BTD, routers))
+    z_grads = torch.autograd.grad(z_loss, routers, retain_graph=True)
+    (lm_loss + stats.aux_loss + z_loss).backward()
+    assert out["z_loss"] == pytest.approx(z_loss.item(), rel=1e-5)
+    assert len(handed) == len(routers) == 2
+    for got, router, z_grad in zip(handed, routers, z_grads):
+        assert z_grad.norm() > 0.1 * router.grad.norm()  # a share of the gradient that leaving it out would show
+        torch.testing.assert_close(got, router.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_non_finite_step_leaves_the_training_state_bitwise_as_it_was():
+    """After real steps have moved everything, the NaN drill step leaves every weight, every optimizer state tensor,
+    each MoE layer's expert bias and the balancing momentum bitwise as they were; it only counts one skipped step,
+    and the next good step ends the run of bad ones."""
+    model, optimizer, tc, state = step_setup(STEP_CFG)
+    names = {p: name for name, p in model.named_parameters()}
+
+    def snapshot() -> dict:
+        weights = {f"model.{key}": value for key, value in model.state_dict().items()}  # the expert biases too
+        moments = {f"optimizer.{names[p]}.{key}": value for p, s in optimizer.state.items() for key, value in s.items()}
+        return {key: value.clone() for key, value in (weights | moments).items()} | {"momentum": state.momentum.clone()}
+
+    for step in range(3):
+        state.step = step
+        train.train_step(model, optimizer, random_batch(step), tc, NO_AUTOCAST, state)
+    assert biases(model).abs().sum() > 0 and state.momentum.abs().sum() > 0
+    before = snapshot()
+    state.step = 3
+    out = train.train_step(model, optimizer, random_batch(3), tc, NO_AUTOCAST, state, poison=True)
+    after = snapshot()
+    assert not out["finite"] and (state.skipped, state.bad_steps) == (1, 1)
+    assert after.keys() == before.keys() and any(key.startswith("optimizer.") for key in before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), f"{key} changed on a skipped step"
+    state.step = 4
+    assert train.train_step(model, optimizer, random_batch(4), tc, NO_AUTOCAST, state)["finite"]
+    assert (state.skipped, state.bad_steps) == (1, 0)
+
+
+def test_bias_freeze_step_stops_the_bias_updates_exactly_there():
+    """--bias_freeze_step=N: steps 0 .. N-1 (the loop's state.step, counted from 0) move the expert bias; step N and
+    the steps after it leave it where it is."""
+    freeze = 2
+    model, optimizer, tc, state = step_setup(STEP_CFG, bias_freeze_step=freeze)
+    seen = [biases(model)]
+    for step in range(freeze + 2):
+        state.step = step
+        train.train_step(model, optimizer, random_batch(step), tc, NO_AUTOCAST, state)
+        seen.append(biases(model))
+    moved = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    assert moved == [True] * freeze + [False] * 2
