@@ -252,6 +252,7 @@ def _separated_documents(f, separator: str, max_chars: int):
 
 
 def _blocks(pieces: list[str], max_chars: int):
+    """The pieces cut every max_chars characters, blocks of only whitespace left out."""
     for piece in pieces:
         for start in range(0, len(piece), max_chars):
             if (block := piece[start:start + max_chars]).strip():
@@ -296,7 +297,7 @@ def _read_documents(path: str, text_field: str, doc_chars: int, doc_separator: s
             else:
                 documents = _paragraph_documents(f, doc_chars)
             consumed = 0
-            for text in documents:  # a large file is read a piece at a time, never whole
+            for text in documents:  # the bytes read so far, for the progress bar
                 yield text, f.buffer.tell() - consumed
                 consumed = f.buffer.tell()
 
