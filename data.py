@@ -3,6 +3,7 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
 
     python data.py                      # this Python's standard library source, cl100k_base offline -> data/stdlib
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
+    python data.py stories.txt --doc_separator '<|endoftext|>' --val_fraction 0 --out_dir data/stories
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
     loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
@@ -28,6 +29,7 @@ import shutil
 import struct
 import sys
 import sysconfig
+import tempfile
 import time
 
 import numpy as np
@@ -43,6 +45,7 @@ SHUFFLE_BUFFER_TOKENS = 2**25  # corpora smaller than this are shuffled globally
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
                     "__pycache__"}  # keeps the default corpus to ~10 MB of real library code
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
+DOC_CHARS = 2**15  # a plain-text document's most characters: ~8k tokens of English, about one long sequence
 FEISTEL_ROUNDS = 6
 SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
 # GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
@@ -212,8 +215,53 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
 
-def _read_documents(path: str, text_field: str):
-    """Yields (text, input bytes consumed) per document: a whole text file, a .jsonl line or a parquet row."""
+def _paragraph_documents(f, max_chars: int):
+    """A text file cut into documents of whole paragraphs (each with the blank lines after it), as many as fit in
+    max_chars characters, read a line (of at most max_chars) at a time; a longer paragraph is cut at line ends.
+    Joined, the documents are the file's text: a file of at most max_chars is one document."""
+    lines, size, start = [], 0, 0  # the document so far, its length, where its last paragraph starts in it
+    after_blank = False
+    for line in iter(functools.partial(f.readline, max_chars), ""):
+        if after_blank and line.strip():
+            start = len(lines)
+        after_blank = not line.strip()
+        while size + len(line) > max_chars:  # full: the last paragraph moves on, unless it fills a document alone
+            cut = start or len(lines)
+            yield "".join(lines[:cut])
+            lines = lines[cut:]
+            size = sum(map(len, lines))
+            start = 0
+        lines.append(line)
+        size += len(line)
+    if lines:
+        yield "".join(lines)
+
+
+def _separated_documents(f, separator: str, max_chars: int):
+    """The pieces of a text file between occurrences of separator, read max_chars characters at a time; a piece longer
+    than max_chars is cut every max_chars characters, and a piece of only whitespace is no document."""
+    rest = ""
+    while chunk := f.read(max_chars):
+        *pieces, rest = (rest + chunk).split(separator)
+        # whole blocks of the unfinished piece go now, up to where a separator the next read completes may start
+        whole = max(0, len(rest) - len(separator) + 1) // max_chars * max_chars
+        pieces.append(rest[:whole])
+        rest = rest[whole:]
+        yield from _blocks(pieces, max_chars)
+    yield from _blocks([rest], max_chars)
+
+
+def _blocks(pieces: list[str], max_chars: int):
+    """The pieces cut every max_chars characters, blocks of only whitespace left out."""
+    for piece in pieces:
+        for start in range(0, len(piece), max_chars):
+            if (block := piece[start:start + max_chars]).strip():
+                yield block
+
+
+def _read_documents(path: str, text_field: str, doc_chars: int, doc_separator: str | None):
+    """Yields (text, input bytes consumed) per document: a .jsonl line, a parquet row, a whole .py file, or a piece of
+    any other text file (at doc_separator if given, else paragraphs grouped up to doc_chars characters)."""
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
@@ -242,14 +290,24 @@ def _read_documents(path: str, text_field: str):
         yield "", os.path.getsize(path)
     else:
         with open(path, encoding="utf-8", errors="replace") as f:  # a stray bad byte becomes U+FFFD, not a crash
-            yield f.read(), os.path.getsize(path)
+            if path.endswith(".py"):  # source code is read whole: a module is one document
+                documents = [f.read()]
+            elif doc_separator:
+                documents = _separated_documents(f, doc_separator, doc_chars)
+            else:
+                documents = _paragraph_documents(f, doc_chars)
+            consumed = 0
+            for text in documents:  # the bytes read so far, for the progress bar
+                yield text, f.buffer.tell() - consumed
+                consumed = f.buffer.tell()
 
 
-def _text_batches(files: list[str], text_field: str, max_chars: int = 1 << 20):
-    """Groups documents into ~1 MB tasks, so worker round trips stay cheap next to the tokenising."""
+def _text_batches(files: list[str], read, max_chars: int = 1 << 20):
+    """Groups the documents read(path) yields into ~1 MB tasks, so worker round trips stay cheap next to the
+    tokenising."""
     texts, nbytes, chars = [], 0, 0
     for path in files:
-        for text, consumed in _read_documents(path, text_field):
+        for text, consumed in read(path):
             texts.append(text)
             nbytes, chars = nbytes + consumed, chars + len(text)
             if chars >= max_chars:
@@ -270,11 +328,11 @@ def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
     return [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t], nbytes
 
 
-def _tokenized_documents(files: list[str], encoding: str, tokenizer: str, text_field: str, workers: int, say):
+def _tokenized_documents(files: list[str], read, encoding: str, tokenizer: str, workers: int, say):
     """Every document's tokens, ended by the end-of-text token, in input order; tokenised on `workers` processes."""
     total_bytes, done_bytes, n_tokens, started = sum(os.path.getsize(f) for f in files), 0, 0, time.time()
     say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
-    batches = _text_batches(files, text_field)
+    batches = _text_batches(files, read)
     with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
         if pool is None:
             _init_worker(encoding)
@@ -356,18 +414,21 @@ class _ShuffleBuffer(_ShardWriter):
 
 
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
-            text_field: str = "text", val_fraction: float = 0.03, shard_tokens: int = 2**24,
-            shuffle_docs: bool = True, seed: int = 0, workers: int | None = None, quiet: bool = False) -> dict:
+            text_field: str = "text", doc_chars: int = DOC_CHARS, doc_separator: str | None = None,
+            val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
+            workers: int | None = None, quiet: bool = False) -> dict:
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
     say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
-    _require(0 < val_fraction < 1, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive), e.g. 0.03")
+    _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
+             f"validation set)")
+    _require(doc_chars >= 1, f"doc_chars={doc_chars} must be positive, e.g. {DOC_CHARS}")
     _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
     _require(workers is None or workers >= 1, f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(encoding)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
-                   text_field=text_field)
+                   text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
     digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
@@ -380,21 +441,28 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
             return old
 
-    os.makedirs(out_dir, exist_ok=True)
+    try:  # an out_dir that cannot take the shards fails now, not after the tokenising
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise DataError(f"cannot write the shards into out_dir {out_dir!r} ({e.strerror}); pass an --out_dir you can "
+                        f"create and write to") from None
     with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
         os.remove(os.path.join(out_dir, "manifest.json"))
     started, workers = time.time(), workers or os.cpu_count() or 1
     shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
     train = _ShuffleBuffer("train", *shard_args, seed=seed) if shuffle_docs else _ShardWriter("train", *shard_args)
     val = _ShardWriter("val", *shard_args)
-    for n, doc in enumerate(_tokenized_documents(files, encoding, tokenizer, text_field, workers, say)):
-        # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1
+    read = functools.partial(_read_documents, text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator)
+    for n, doc in enumerate(_tokenized_documents(files, read, encoding, tokenizer, workers, say)):
+        # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1 unless 0
         (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
     _require(train.documents + val.documents > 0, f"the {len(files)} input files hold no text, so there is nothing "
              f"to tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
     _require(train.documents > 0, f"all {val.documents} documents were held out for validation (val_fraction="
-             f"{val_fraction}), leaving none to train on; add inputs, split the text into more files or .jsonl lines, "
-             f"or lower --val_fraction")
+             f"{val_fraction}), leaving none to train on; add inputs, cut the text into more documents (a smaller "
+             f"--doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0 to train on all of it")
     splits = {"train": train.close(), "val": val.close()}
 
     written = {shard["file"] for shards in splits.values() for shard in shards}
@@ -506,6 +574,8 @@ class DataLoader:
                      f"model is configured for {name}; prepare the data with --encoding {name} or point the run at "
                      f"data tokenized with it")
         self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest["eot_id"], manifest["dtype"]
+        _require(bool(self.shards), f"{data_dir} has no {split} split (it was prepared with --val_fraction=0); "
+                 f"prepare it again with a --val_fraction above 0 to have one")
         shortest = min(self.shards, key=lambda s: s["tokens"])
         _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
                  f"{split} shard {shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
@@ -583,7 +653,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="tiktoken encoding (cl100k_base works offline) or a Hugging Face tokenizer folder (holding "
                    "tokenizer.json; its eos_token ends each document); train.py's --tokenizer names the same")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
-    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val")
+    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="plain-text files (all but .py, .jsonl, "
+                   ".parquet) are cut into documents of blank-line separated paragraphs, grouped up to this many "
+                   f"characters (default {DOC_CHARS}, ~8k tokens of English); a longer paragraph is cut at line ends")
+    p.add_argument("--doc_separator", default=None, help="cut plain-text files into documents at this string instead "
+                   "(dropped from the text), e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
+    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: no "
+                   "validation set; train.py then skips validation)")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     p.add_argument("--shuffle_docs", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle documents (seeded) before packing them into sequences")

@@ -745,11 +745,15 @@ def compare_settings(resume_from: str, resolved: dict, say):
         "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
 
 
-def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader]:
-    """This rank's train and validation loaders."""
+def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader | None]:
+    """This rank's train and validation loaders; no validation loader for data prepared with --val_fraction=0."""
     tc = run.tc
-    return tuple(data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
-                                 vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in ("train", "val"))
+    splits = [split for split, shards in data.load_manifest(tc.data)["splits"].items() if shards]
+    if "val" not in splits:
+        run.say(f"no validation set in {tc.data} (prepared with --val_fraction=0): validation is skipped")
+    loader = {split: data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
+                                     vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in splits}
+    return loader["train"], loader.get("val")
 
 
 def build(run: Run, copies: int | None = None):
@@ -855,7 +859,7 @@ class Loop:
             self.non_finite(step)
         if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
             record.update(self.log(step, lr))
-        if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
+        if self.val_loader is not None and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
             self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
                                                           tc.micro_batch, run.autocast, tc.doc_mask)
             run.say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")

@@ -200,6 +200,88 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, 
         DataLoader(out)
 
 
+def test_a_large_text_file_is_cut_into_documents_of_whole_paragraphs(tmp_path):
+    """A plain-text file becomes documents of whole paragraphs (each with the blank lines after it), as many as fit in
+    doc_chars, a longer paragraph cut at line ends; read a piece at a time, never whole. A .py file stays one
+    document, however long."""
+    rng = random.Random(0)
+    line = lambda: " ".join(rng.choice(WORDS[:8]) for _ in range(rng.randint(1, 12))) + "\n"
+    paragraphs = ["".join(line() for _ in range(rng.randint(1, 6))) + "\n" * rng.randint(1, 3) for _ in range(600)]
+    paragraphs[100] = "".join(line() for _ in range(60))  # longer than doc_chars: cut at line ends
+    text = "".join(paragraphs)
+    (tmp_path / "book.txt").write_text(text)
+    doc_chars = 2000
+    expected, doc = [], ""  # greedy packing, spelled out on the whole text
+    for paragraph in paragraphs:
+        if doc and len(doc) + len(paragraph) > doc_chars:
+            expected.append(doc)
+            doc = ""
+        for line in paragraph.splitlines(keepends=True):  # only a paragraph longer than doc_chars splits here
+            if len(doc) + len(line) > doc_chars:
+                expected.append(doc)
+                doc = ""
+            doc += line
+    expected.append(doc)
+    assert "".join(expected) == text and 40 < len(expected) < 100 and max(map(len, expected)) <= doc_chars
+    module = "\n\n".join(f"def f{i}():\n    return {i}\n" for i in range(200))
+    (tmp_path / "module.py").write_text(module)
+    assert len(module) > doc_chars
+    expected.append(module)
+
+    manifest = prepare([str(tmp_path / "book.txt"), str(tmp_path / "module.py")], str(tmp_path / "out"),
+                       doc_chars=doc_chars, shuffle_docs=False, workers=2, quiet=True)
+    held_out = [i for i in range(len(expected)) if np.ceil((i + 1) * 0.03) > np.ceil(i * 0.03)]
+    assert split_documents(str(tmp_path / "out"), "val") == [expected[i] for i in held_out]
+    assert split_documents(str(tmp_path / "out"), "train") == [d for i, d in enumerate(expected) if i not in held_out]
+    assert manifest["options"]["doc_chars"] == doc_chars
+    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), "text", doc_chars, None))
+    assert first == expected[0] and consumed < os.path.getsize(tmp_path / "book.txt") / 4
+
+
+def test_doc_separator_cuts_text_files_at_a_string(tmp_path):
+    """--doc_separator: the documents are the text between separators (a longer one cut every doc_chars
+    characters, one of only whitespace dropped), the separators themselves gone."""
+    rng = random.Random(1)
+    words = [w for w in WORDS if w != "<|endoftext|>"]
+    stories = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) for _ in range(80)]
+    stories[7] = "long " * 200
+    separator = "\n<|endoftext|>\n"
+    text = separator.join(stories) + separator + "  \n"
+    (tmp_path / "stories.txt").write_text(text)
+    doc_chars = 400
+    expected = [piece[i:i + doc_chars] for piece in text.split(separator) for i in range(0, len(piece), doc_chars)
+                if piece[i:i + doc_chars].strip()]
+    assert len(expected) == 80 + 2  # the long story is three documents, the whitespace after the last none
+    prepare([str(tmp_path / "stories.txt")], str(tmp_path / "out"), doc_separator=separator, doc_chars=doc_chars,
+            val_fraction=0, shuffle_docs=False, workers=1, quiet=True)
+    assert split_documents(str(tmp_path / "out"), "train") == expected
+
+
+def test_val_fraction_zero_prepares_no_validation_split(tmp_path):
+    texts = write_corpus(tmp_path / "corpus", n_docs=10)
+    out = str(tmp_path / "out")
+    manifest = prepare([str(tmp_path / "corpus")], out, val_fraction=0, shuffle_docs=False, workers=1, quiet=True)
+    assert manifest["splits"]["val"] == [] and manifest["documents"] == {"train": 10, "val": 0}
+    assert manifest["tokens"]["val"] == 0 and split_documents(out, "train") == texts
+    assert DataLoader(out, seq_len=16, global_batch=2).batch(0)[0].shape == (2, 16)
+    with pytest.raises(DataError, match="has no val split .*--val_fraction=0.*--val_fraction above 0"):
+        DataLoader(out, "val", seq_len=16, global_batch=2)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", pytest.param("read_only", marks=pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into read-only directories"))])
+def test_cli_refuses_an_out_dir_it_cannot_write_before_tokenising(tmp_path, where):
+    write_corpus(tmp_path / "corpus", n_docs=5)
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "read_only").mkdir(mode=0o555)
+    out = {"under_a_file": tmp_path / "file" / "out", "read_only": tmp_path / "read_only"}[where]
+    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "corpus"), "--out_dir", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: cannot write the shards into out_dir '{out}' (")
+    assert r.stderr.endswith("pass an --out_dir you can create and write to\n") and r.stderr.count("\n") == 1
+    assert os.listdir(tmp_path / "read_only") == []
+
+
 def test_bad_inputs_are_one_clear_sentence(tmp_path):
     with pytest.raises(DataError, match="no input files matched '.*nothing/\\*.txt'"):
         prepare([str(tmp_path / "nothing/*.txt")], str(tmp_path / "out"), quiet=True)
@@ -211,8 +293,8 @@ def test_bad_inputs_are_one_clear_sentence(tmp_path):
     (tmp_path / "empty" / "0.txt").write_text("just one document")
     with pytest.raises(DataError, match="all 1 documents were held out"):
         prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
-    with pytest.raises(DataError, match="val_fraction=0"):
-        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), val_fraction=0, quiet=True)
+    with pytest.raises(DataError, match="val_fraction=1 must be at least 0 and below 1"):
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), val_fraction=1, quiet=True)
     with pytest.raises(DataError, match="tokenizer 'nope' is not available; choose one of .*cl100k_base"):
         data.get_encoding("nope")
 

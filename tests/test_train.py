@@ -112,6 +112,18 @@ def test_short_run_loss_falls_and_logs_everything(corpus_dir, tmp_path):
         assert json.load(f)["model"]["dim"] == 64
 
 
+def test_data_without_a_validation_set_trains_and_skips_validation(tmp_path, capsys):
+    """Data prepared with --val_fraction=0 has no val split: train.py says so in one line and never evaluates."""
+    stdlib = os.path.dirname(json.__file__)
+    data.prepare([os.path.join(stdlib, "*.py")], str(tmp_path / "data"), val_fraction=0, workers=1, quiet=True)
+    tc, overrides = train.parse_args(run_args(tmp_path / "data", tmp_path / "run", "--steps=2", "--eval_every=1"))
+    result = train.main(tc, overrides)
+    said = capsys.readouterr().out
+    assert f"no validation set in {tmp_path / 'data'} (prepared with --val_fraction=0): validation is skipped" in said
+    assert result["step"] == 2 and result["val_loss"] is None and "| val loss" not in said
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 2 and not any("val_loss" in row for row in rows)
+
 
 def test_model_that_cannot_fit_in_memory_is_an_error(corpus_dir, tmp_path, monkeypatch):
     """train.main asks build_model to check room for the weights, gradients and both AdamW moments (4 copies): a
