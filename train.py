@@ -43,7 +43,7 @@ from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, 
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
 OFF_OR_MORE = at_least(0, "0 (off) or more")
-CHANGEABLE = ("data", "tokenizer")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
+CHANGEABLE = ("tokenizer", "data")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
 
 
 @dataclass
@@ -128,7 +128,7 @@ class TrainConfig:
     allow_changed: str = option("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
                                     "tokenizer or both, comma-separated (a curriculum change, recorded in "
                                     "config.json)", Rule(lambda v, _: {n.strip() for n in v.split(",")} - {""}
-                                                         <= set(CHANGEABLE), "empty or some of data, tokenizer"))
+                                                         <= set(CHANGEABLE), "empty or some of tokenizer, data"))
     step_timeout: float = option(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
                                         "(0: off); also the collective timeout", OFF_OR_MORE)
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
