@@ -15,7 +15,6 @@ after every document) and manifest.json, written last.
 
 import argparse
 import contextlib
-import difflib
 import functools
 import glob
 import hashlib
@@ -35,6 +34,8 @@ import time
 import numpy as np
 import tiktoken
 import torch
+
+from model import suggest
 
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 MAGIC = b"NTTOKENS"
@@ -347,10 +348,11 @@ def _tokenized_documents(files: list[str], read, encoding: str, tokenizer: str, 
     say()
 
 
-def _write_atomic(path: str, chunks: list[bytes | np.ndarray]) -> None:
-    """Readers see the old file or the whole new one, never a torn write."""
+def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
+    """Write a file that readers see whole or not at all (the old file until then), and that is on disk when this
+    returns: the one way every stage file writes what must survive a crash."""
     with open(path + ".tmp", "wb") as f:
-        f.writelines(chunks)
+        f.writelines(chunk.encode() if isinstance(chunk, str) else chunk for chunk in chunks)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -386,7 +388,7 @@ class _ShardWriter:
         name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
         header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,
                              self.tokenizer.encode())
-        _write_atomic(os.path.join(self.out_dir, name), [header.ljust(HEADER_BYTES, b"\0"), tokens])
+        write_durably(os.path.join(self.out_dir, name), header.ljust(HEADER_BYTES, b"\0"), tokens)
         self.shards.append({"file": name, "tokens": len(tokens), "max_token": max_token})
 
 
@@ -476,7 +478,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                 "fingerprint": fingerprint, "inputs": inputs, "files": len(files), "options": options,
                 "documents": {"train": train.documents, "val": val.documents},
                 "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()}, "splits": splits}
-    _write_atomic(os.path.join(out_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
+    write_durably(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
     say(f"wrote {manifest['tokens']['train']:,} train tokens ({len(splits['train'])} shards, {train.documents} "
         f"documents) and {manifest['tokens']['val']:,} val tokens ({len(splits['val'])} shards, {val.documents} "
         f"documents) to {out_dir} in {time.time() - started:.1f}s")
@@ -547,21 +549,22 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
 
 
 class DataLoader:
-    """Batches from a prepared directory. batch(step) depends only on (seed, step): the global batch is the same
-    for any world_size, rank r reads rows r*B:(r+1)*B of it, and every sequence of an epoch is read once."""
+    """Batches from a prepared directory. batch(step) depends only on (seed, step), so the loader has no state to
+    save: the global batch is the same for any world_size, rank r reads rows r*B:(r+1)*B of it, and every sequence of
+    an epoch is read once (a run's seed, sequence length and global batch cannot change on resume: train.py checks)."""
 
     def __init__(self, data_dir: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
-        _require(seq_len >= 1 and global_batch >= 1,
-                 f"seq_len={seq_len} and global_batch={global_batch} must both be positive")
-        _require(global_batch % world_size == 0, f"global_batch={global_batch} is not divisible by world_size="
-                 f"{world_size}; choose a global batch that is a multiple of the number of ranks")
-        _require(0 <= rank < world_size,
-                 f"rank={rank} is outside range(world_size={world_size}); check the launcher's ranks")
-        self.data_dir, self.split, self.seq_len, self.global_batch = data_dir, split, seq_len, global_batch
-        self.rank, self.world_size, self.seed, self.vocab_size, self.step = rank, world_size, seed, vocab_size, 0
+        self.data_dir = data_dir
+        self.split = split
+        self.seq_len = seq_len
+        self.global_batch = global_batch  # a multiple of world_size (parallel.Layout.check)
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.vocab_size = vocab_size
         manifest = load_manifest(data_dir)
         max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
         _require(vocab_size is None or manifest["vocab_size"] <= vocab_size and max_token < vocab_size,
@@ -592,9 +595,6 @@ class DataLoader:
         path = os.path.join(self.data_dir, self.shards[k]["file"])
         return np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
 
-    def epoch_of(self, step: int) -> int:
-        return step * self.global_batch // self.num_sequences
-
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
         B, T = self.global_batch // self.world_size, self.seq_len
@@ -621,24 +621,6 @@ class DataLoader:
         available = self.num_sequences // self.global_batch
         return map(self.batch, range(available if n is None else min(n, available)))
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.step += 1
-        return self.batch(self.step - 1)
-
-    __next__ = next
-
-    def __iter__(self):
-        return self
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "global_batch"):
-            _require(state[key] == getattr(self, key), f"the checkpoint's data stream has {key}={state[key]} but "
-                     f"this loader has {key}={getattr(self, key)}; resume with {key}={state[key]} to continue the "
-                     f"same stream of batches")
-        self.step = state["step"]
 
 
 # --- command line
@@ -675,7 +657,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 def refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str], known: argparse.ArgumentParser = None):
     """parser.error for the arguments argparse did not know, naming the closest flag of `known` (default: parser)."""
     flags = [flag for action in (known or parser)._actions for flag in action.option_strings]
-    close = [c[0] for arg in unknown for c in [difflib.get_close_matches(arg.split("=")[0], flags, n=1)] if c]
+    close = [c for c in (suggest(arg.split("=")[0], flags) for arg in unknown) if c]
     parser.error(f"unrecognized arguments: {' '.join(unknown)}; " + (f"did you mean {', '.join(close)}?" if close else
                                                                      f"{(known or parser).prog} --help lists them."))
 

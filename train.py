@@ -459,7 +459,7 @@ def write_config(out_dir: Path, resolved: dict, start_step: int):
             return  # the same settings: config.json holds them, from the step they first applied
         with open(out_dir / "config_history.jsonl", "a") as f:
             f.write(json.dumps(before) + "\n")
-    path.write_text(json.dumps({**resolved, "from_step": start_step}, indent=1))
+    data.write_durably(str(path), json.dumps({**resolved, "from_step": start_step}, indent=1))
 
 
 class MetricsSinks:
@@ -622,7 +622,6 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, s
         resolved["run_id"] = run_id[0]
         return tc
     state.load(saved)
-    loader.load_state_dict(saved["data"])
     resolved["run_id"] = saved.get("run_id")
     say(f"resumed from {resume_from} at step {state.step}")
     schedule_steps = saved.get("schedule_steps", tc.steps)
@@ -849,7 +848,6 @@ class Loop:
             device=run.device)).tolist()
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
             self.complete()  # so a crash loses at most ckpt_every steps
-        self.loader.step = step + 1
         self.guard.beat(step + 1)
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
@@ -887,7 +885,7 @@ class Loop:
     def save(self, step: int, final: bool):
         self.complete()  # the previous asynchronous write must be complete before the next one starts
         tc, self.ckpt_step, self.final, self.ckpt_time = self.run.tc, step, final, time.time()
-        train = {**self.state.saved(step), "data": self.loader.state_dict(), "run_id": self.resolved["run_id"],
+        train = {**self.state.saved(step), "run_id": self.resolved["run_id"],
                  "schedule_steps": self.schedule.steps}
         try:
             self.pending = checkpoint.save(self.ckpt_root, step, {"model": self.model, "optim": self.optimizer,
