@@ -151,7 +151,8 @@ class ModelConfig:
         defaults = {**HF_DEFAULTS, "num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads}
         cfg = cls(**{name: defaults[key] if key in defaults and hf.get(key) is None else hf[key]
                      for name, key in HF_KEYS.items()}, rope_theta=rope.get("rope_theta", 10000.0))
-        layer_types, ours = hf.get("layer_types"), cfg.to_hf()["layer_types"]
+        layer_types = hf.get("layer_types")
+        ours = cfg.to_hf()["layer_types"]
         if layer_types is not None and list(layer_types) != ours:
             raise ValueError(f"layer_types {layer_types} do not follow the every-{cfg.global_every}th-layer-global "
                              f"pattern {ours}; this model supports only that pattern.")
@@ -215,7 +216,10 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        x32, w, D, dy = x.float(), weight.float(), x.shape[-1], dy.float()
+        x32 = x.float()
+        w = weight.float()
+        D = x.shape[-1]
+        dy = dy.float()
         dy_x_ND = (dy * x32).reshape(-1, D)
         d_weight = rstd.reshape(1, -1) @ dy_x_ND  # sum over rows of dy * x_hat
         # dx = rstd * (w*dy - x_hat * mean(w*dy*x_hat)) = rstd * (w*dy - x * c), c = rstd^2 * mean(w*dy*x) per row
@@ -229,7 +233,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, init_gain: float = 1.0):
         super().__init__()
-        self.eps, self.init_gain = eps, init_gain
+        self.eps = eps
+        self.init_gain = init_gain
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
@@ -274,7 +279,8 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
         return create_block_mask(mask_mod, B, None, T, T, device=device)
     if window is None and doc_ids_BT is None:
         return None
-    q_11T1, kv_111T = torch.arange(T, device=device).view(1, 1, T, 1), torch.arange(T, device=device).view(1, 1, 1, T)
+    q_11T1 = torch.arange(T, device=device).view(1, 1, T, 1)
+    kv_111T = torch.arange(T, device=device).view(1, 1, 1, T)
     return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
 
 
@@ -298,7 +304,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.is_global, self.head_dim = cfg.is_global(layer), cfg.head_dim
+        self.is_global = cfg.is_global(layer)
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -313,7 +320,8 @@ class Attention(nn.Module):
         k_BGTDh = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
         v_BGTDh = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         if not self.is_global:
-            q_BHTDh, k_BGTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh), apply_rope(k_BGTDh, cos_TDh, sin_TDh)
+            q_BHTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh)
+            k_BGTDh = apply_rope(k_BGTDh, cos_TDh, sin_TDh)
         o_BHTDh = (attend if cache is None else cache.attend)(q_BHTDh, k_BGTDh, v_BGTDh, mask)
         o_BTHDh = o_BHTDh.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o_BTHDh * torch.sigmoid(self.gate_proj(x_BTD)))
@@ -409,7 +417,9 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         return torch.cat([F.linear(act_nI, w_DI.to(dtype))
                           for act_nI, w_DI in zip(act_NI.split(rows), down_EDI.unbind(0))])
     mm_dtype = torch.bfloat16 if x_ND.is_cuda else dtype  # CUDA's grouped GEMM wants bf16 (fp32 masters included)
-    x_ND, gate_up_EHD, down_EDI = x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype), down_EDI.to(mm_dtype)
+    x_ND = x_ND.to(mm_dtype)
+    gate_up_EHD = gate_up_EHD.to(mm_dtype)
+    down_EDI = down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
     act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs=offs_E))
@@ -470,8 +480,11 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts, self.top_k, self.route_scale = cfg.n_experts, cfg.top_k, cfg.route_scale
-        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.n_experts = cfg.n_experts
+        self.top_k = cfg.top_k
+        self.route_scale = cfg.route_scale
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.z_loss_coef = cfg.z_loss_coef
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -516,7 +529,8 @@ class MoE(nn.Module):
     def balance_loss(self, experts_NK, scores_NE, B, T):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (tokens of the sequence whose top-k
         holds i), P_i = mean over its tokens of s_i / sum_j s_j."""
-        E, K = self.n_experts, self.top_k
+        E = self.n_experts
+        K = self.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
@@ -607,7 +621,8 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     targets_N1 = targets_N.clamp(min=0).unsqueeze(1)
     rows, group = head_chunks(N, V, device)
     with torch.autocast(device.type, enabled=False):
-        h_ND, weight_VD = h_ND.to(mm_dtype), weight_VD.to(mm_dtype)
+        h_ND = h_ND.to(mm_dtype)
+        weight_VD = weight_VD.to(mm_dtype)
         picked_N1, lse_N1 = (torch.empty(N, 1, dtype=torch.float32, device=device) for _ in range(2))
         if grads:
             dh_ND = torch.empty_like(h_ND)
@@ -619,7 +634,8 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             fused = _lse_and_grad_compiled if device.type == "cuda" else lse_and_grad
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
             for start in range(0, N, rows):
-                end, t = min(start + rows, N), targets_N1[start:start + rows]
+                end = min(start + rows, N)
+                t = targets_N1[start:start + rows]
                 logits_CV = h_ND[start:end] @ weight_VD.t()
                 picked_N1[start:end] = logits_CV.gather(1, t)
                 first = start - start % group
@@ -632,7 +648,9 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             shifted = False
             for start in range(0, N, rows):
                 end = min(start + rows, N)
-                e, h, t = exp_CV[:end - start], h_ND[start:end], targets_N1[start:end]
+                e = exp_CV[:end - start]
+                h = h_ND[start:end]
+                t = targets_N1[start:end]
                 torch.mm(h, weight_VD.t(), out=e)
                 torch.gather(e, 1, t, out=picked_N1[start:end])
                 shift = 0.0
@@ -753,14 +771,16 @@ class Transformer(nn.Module):
         out = self.head_loss(h_BTD, targets_BT) if targets_BT is not None and cache is None else self.head(h_BTD)
         if not return_stats:
             return out
-        zero, E = torch.zeros((), device=x_BTD.device), self.cfg.n_experts
+        zero = torch.zeros((), device=x_BTD.device)
+        E = self.cfg.n_experts
         # Seeded with no counts and zero losses, so a model without MoE layers reports [0, E] counts and zero losses.
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
         return out, RouterStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z))
 
     def head_loss(self, h_BTD, targets_BT):
         """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits."""
-        h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
+        h_ND = h_BTD.flatten(0, 1)
+        targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
             return _HeadCrossEntropy.apply(h_ND, self.head.weight, targets_N)
         return head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)[0]
@@ -795,7 +815,8 @@ class Transformer(nn.Module):
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
                        f"global layers attend to more tokens than the model was trained on.")
-        cache, steps = self.new_cache(S), [tokens_BT]  # the prompt, then a [B, 1] token per step
+        cache = self.new_cache(S)
+        steps = [tokens_BT]  # the prompt, then a [B, 1] token per step
         done_B1 = torch.zeros(tokens_BT.shape[0], 1, dtype=torch.bool, device=tokens_BT.device)
         with torch.compiler.set_stance("force_eager"):
             for _ in range(max_new_tokens):

@@ -91,7 +91,8 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
                 ctypes.CDLL("libc.so.6").mallopt(option, 1 << 30)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -157,7 +158,10 @@ class Layout:
     def check(self, model_cfg: ModelConfig, global_batch: int, micro_batch: int):
         """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg` on
         `global_batch` sequences in micro-batches of `micro_batch`: on every rank alike, before any collective."""
-        W, R, ep, E = self.world, self.dp_replicate, self.ep, model_cfg.n_experts  # each >= 1 (TrainConfig's rules)
+        W = self.world  # these sizes are each >= 1 (TrainConfig's rules)
+        R = self.dp_replicate
+        ep = self.ep
+        E = model_cfg.n_experts
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != W:
             raise ValueError(f"Layout(world={W}) does not match the {dist.get_world_size()} launched processes; "
                              f"pass world={dist.get_world_size()}.")
@@ -184,7 +188,11 @@ class Layout:
 
     def describe(self, n_experts: int | None = None) -> str:
         """Which ranks form each FSDP group, replica and EP group, and where the experts live."""
-        W, R, S, F, ep = self.world, self.dp_replicate, self.dp_shard, self.efsdp, self.ep
+        W = self.world
+        R = self.dp_replicate
+        S = self.dp_shard
+        F = self.efsdp
+        ep = self.ep
         if W == 1:
             return "1 process: no data or expert parallelism."
 
@@ -238,8 +246,10 @@ class ExpertParallelExperts(GroupedExperts):
 
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
         nn.Module.__init__(self)  # not GroupedExperts.__init__: that would allocate all E experts
-        self.impl, self.ep_mesh = experts.impl, ep_mesh
-        ep, me = ep_mesh.size(), ep_mesh.get_local_rank()
+        self.impl = experts.impl
+        self.ep_mesh = ep_mesh
+        ep = ep_mesh.size()
+        me = ep_mesh.get_local_rank()
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
             local = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
@@ -251,7 +261,8 @@ class ExpertParallelExperts(GroupedExperts):
         return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
 
     def forward(self, x_MD, counts_E, scale_M=None):
-        group, ep = self.ep_mesh, self.ep_mesh.size()
+        group = self.ep_mesh
+        ep = self.ep_mesh.size()
         # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
         # recv_counts_PL is what peer p sends us, one count per local expert.
         send_counts_PL = counts_E.view(ep, -1)
@@ -284,7 +295,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
                reduce_dtype: torch.dtype = torch.float32):
     """fully_shard each block and the root over (dp_replicate, dp_shard), routed experts over (dp_replicate, efsdp)."""
     replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
-    dense_mesh, expert_mesh = _submesh(mesh, *replicas, "dp_shard"), mesh[(*replicas, "efsdp")]
+    dense_mesh = _submesh(mesh, *replicas, "dp_shard")
+    expert_mesh = mesh[(*replicas, "efsdp")]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
@@ -415,7 +427,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
-NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5  # Keller Jordan's quintic, 5 steps (torch.optim.Muon's too)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, 5 steps (torch.optim.Muon's too)
+NS_STEPS = 5
 
 
 def newton_schulz(u_XOF: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
@@ -438,7 +451,8 @@ def newton_schulz(u_XOF: torch.Tensor, steps: int = NS_STEPS, coefficients: tupl
 def deal(sizes: list[int], ranks: int) -> list[list[int]]:
     """Which of `sizes` each rank takes: largest first, each to the least loaded rank (the lowest on ties), so every
     rank's share is within one item of the mean."""
-    load, owned = [0] * ranks, [[] for _ in range(ranks)]
+    load = [0] * ranks
+    owned = [[] for _ in range(ranks)]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         owner = min(range(ranks), key=load.__getitem__)
         load[owner] += sizes[i]
@@ -521,7 +535,8 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                g, buf = _local(p.grad), _local(state["momentum_buffer"])
+                g = _local(p.grad)
+                buf = _local(state["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 by_layout.setdefault(muon_layout(p), []).append((p, u, group))
@@ -550,7 +565,9 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
         """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, Newton-Schulz, out)."""
-        group_pg, S, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        group_pg = mesh.get_group(mesh_dim)
+        S = mesh.size(mesh_dim)
+        me = mesh.get_local_rank(mesh_dim)
         # Each shard's rows: split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them.
         sizes = [-(-p.shape[0] // S) for p, _, _ in items]
         rows = [[max(0, min(s, p.shape[0] - r * s)) for r in range(S)] for (p, _, _), s in zip(items, sizes)]
@@ -587,7 +604,8 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if not state:  # as torch.optim.AdamW: a CPU step count, or one on the parameter's device when fused
                 state["step"] = torch.zeros((), device=_local(p).device if group["fused"] else "cpu")
-                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
         if params:
             states = [self.state[p] for p in params]
             adamw([_local(p) for p in params], [_local(p.grad) for p in params],

@@ -318,7 +318,8 @@ def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask
     """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks; attention
     kept within documents as training keeps it (doc_mask)."""
     model.eval()
-    total, count = torch.zeros((), device=next(model.parameters()).device), 0
+    total = torch.zeros((), device=next(model.parameters()).device)
+    count = 0
     for batch in loader.val_batches(n_batches):
         for i in range(0, batch[0].shape[0], micro_batch):
             tokens_BT, targets_BT, doc_ids_BT = (t[i:i + micro_batch].to(total.device) for t in batch)
@@ -354,7 +355,8 @@ class TrainState:
         return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu()}
 
     def load(self, saved: dict):
-        self.step, self.skipped = saved["step"], saved["skipped"]
+        self.step = saved["step"]
+        self.skipped = saved["skipped"]
         self.momentum.copy_(torch.as_tensor(saved["momentum"]))
 
 
@@ -530,7 +532,10 @@ class Guard:
         self.requested = self.interrupted = False
         self.previous = {sig: signal.signal(sig, self._signal)
                          for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-        self.timeout_s, self.last_beat, self.step, self.stopped = timeout_s, time.time(), 0, threading.Event()
+        self.timeout_s = timeout_s
+        self.last_beat = time.time()
+        self.step = 0
+        self.stopped = threading.Event()
         if timeout_s > 0:
             threading.Thread(target=self._watch, daemon=True).start()
 
@@ -540,7 +545,8 @@ class Guard:
         self.requested, self.interrupted = True, self.interrupted or signum == signal.SIGINT
 
     def beat(self, step: int):
-        self.last_beat, self.step = time.time(), step
+        self.last_beat = time.time()
+        self.step = step
 
     def _watch(self):
         while not self.stopped.wait(min(5.0, self.timeout_s / 4)):
@@ -768,7 +774,8 @@ def build(run: Run, copies: int | None = None):
 def flops_per_token(run: Run) -> float:
     """Said with the model's size; counted on an unsharded twin on the meta device."""
     twin = meta_model(run.cfg)
-    n, flops = twin.num_params(), twin.flops_per_token(run.tc.seq_len)
+    n = twin.num_params()
+    flops = twin.flops_per_token(run.tc.seq_len)
     run.say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
             f"{flops / 1e6:.1f} MFLOP/token")
     return flops
@@ -780,7 +787,8 @@ class Drills:
     The first two fire on the first launch only, so the restarted job can finish."""
 
     def __init__(self, run: Run):
-        self.run, self.tc = run, run.tc
+        self.run = run
+        self.tc = run.tc
         self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def skew_router(self, model):
@@ -810,16 +818,23 @@ class Loop:
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills):
         tc = run.tc
-        self.run, self.model, self.optimizer, self.state, self.schedule = run, model, optimizer, state, schedule
+        self.run = run
+        self.model = model
+        self.optimizer = optimizer
+        self.state = state
+        self.schedule = schedule
         (self.loader, self.val_loader), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
-        self.peak, self.tokens_per_step = peak_tflops(run.device, tc.peak_tflops), tc.global_batch * tc.seq_len
-        self.guard, self.ckpt_root = Guard(tc.step_timeout), os.path.join(tc.out_dir, "checkpoints")
+        self.peak = peak_tflops(run.device, tc.peak_tflops)
+        self.tokens_per_step = tc.global_batch * tc.seq_len
+        self.guard = Guard(tc.step_timeout)
+        self.ckpt_root = os.path.join(tc.out_dir, "checkpoints")
         self.drills = drills
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
         self.logged_step = self.start_step = state.step
-        self.ckpt_step, self.final = 0, False
+        self.ckpt_step = 0
+        self.final = False
 
     def train(self) -> dict:
         for step in range(self.start_step, self.run.tc.steps):
@@ -830,7 +845,9 @@ class Loop:
 
     def step(self, step: int) -> bool:
         """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
-        run, tc, state = self.run, self.run.tc, self.state
+        run = self.run
+        tc = self.run.tc
+        state = self.state
         state.step = step
         lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
         for group in self.optimizer.param_groups:
@@ -884,7 +901,10 @@ class Loop:
 
     def save(self, step: int, final: bool):
         self.complete()  # the previous asynchronous write must be complete before the next one starts
-        tc, self.ckpt_step, self.final, self.ckpt_time = self.run.tc, step, final, time.time()
+        tc = self.run.tc
+        self.ckpt_step = step
+        self.final = final
+        self.ckpt_time = time.time()
         train = {**self.state.saved(step), "run_id": self.resolved["run_id"],
                  "schedule_steps": self.schedule.steps}
         try:
@@ -915,11 +935,14 @@ class Loop:
 
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields."""
-        tc, device, out = self.run.tc, self.run.device, self.out
+        tc = self.run.tc
+        device = self.run.device
+        out = self.out
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)
-        self.t_last, self.logged_step = time.time(), step + 1
+        self.t_last = time.time()
+        self.logged_step = step + 1
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -934,7 +957,8 @@ class Loop:
 
     def finish(self) -> dict:
         """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
-        tc, out = self.run.tc, self.out
+        tc = self.run.tc
+        out = self.out
         if out is not None:
             self.run.say(f"done: {self.state.step + 1 - self.start_step} steps, "
                          f"{(self.state.step + 1) * self.tokens_per_step:,} tokens seen in all, "
@@ -966,7 +990,8 @@ def sample(run: Run, model, tokenizer: str):
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached."""
     run, resolved, resume_from = setup(tc, overrides)
-    tc, say = run.tc, run.say
+    tc = run.tc
+    say = run.say
     train_loader, val_loader = loaders(run)
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
@@ -975,7 +1000,8 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     if tc.init_from_hf and resume_from is None:  # a restarted job resumes its own checkpoint instead
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
-    flops, drills = flops_per_token(run), Drills(run)
+    flops = flops_per_token(run)
+    drills = Drills(run)
     drills.skew_router(model)
 
     state = TrainState.fresh(model, run.device)
