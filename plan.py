@@ -475,11 +475,11 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
         micro_batches = parallel._divisors(tc.global_batch // world)
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
-            layout = dataclasses.replace(tc, dp_replicate=R, ep=ep, micro_batch=micro, ac=ac, keep_gathered=keep)
-            if estimate(cfg, layout, world, links, detail=False)["memory_total_bytes"] <= \
+            candidate = dataclasses.replace(tc, dp_replicate=R, ep=ep, micro_batch=micro, ac=ac, keep_gathered=keep)
+            if estimate(cfg, candidate, world, links, detail=False)["memory_total_bytes"] <= \
                     FIT_FRACTION * mem_gib * 2**30:
-                p = estimate(cfg, layout, world, links)
-                found.append((layout, p, project(p, flops_s, peak, tc.steps)))
+                p = estimate(cfg, candidate, world, links)
+                found.append((candidate, p, project(p, flops_s, peak, tc.steps)))
     found.sort(key=lambda f: (f[2]["step_s"], f[1]["memory_total_bytes"]))
     return found[:top], tried, len(found)
 
@@ -628,11 +628,12 @@ def print_search(best: list, tried: int, fit: int, t: dict, command: str, tc: tr
     print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {tc.global_batch} x {tc.seq_len} kept):"
           + ("" if best else " none; use more GPUs or a smaller model"))
     fastest = best[0][2] if best else None
-    for i, (layout, planned, projected) in enumerate(best):
+    for i, (candidate, planned, projected) in enumerate(best):
         lose = "fastest" if i == 0 else f"+{100 * (projected['step_s'] / fastest['step_s'] - 1):.1f}%: " \
                                         f"{why_slower(projected, fastest)}"
-        print(f"  {i + 1}. {layout_flags(layout):76s} {projected['step_s']:#7.3g} s  MFU {100 * projected['mfu']:4.1f}%"
-              f"  {projected['days']:5.1f} days  {planned['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
+        print(f"  {i + 1}. {layout_flags(candidate):76s} {projected['step_s']:#7.3g} s  MFU "
+              f"{100 * projected['mfu']:4.1f}%  {projected['days']:5.1f} days  "
+              f"{planned['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
     if best:
         print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, fastest)}")
         print(f"  the fastest with train.py, on {world} ranks: {command}")
@@ -683,9 +684,9 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
         command = train_command(best[0][0], overrides, args.config, args.gpus) if best else None
         print_search(best, tried, fit, t, command, tc, args.gpus)
         result["search"] = {"tried": tried, "fit": fit, "command": command, "best": [
-            {"flags": layout_flags(layout), "step_seconds": projected["step_s"], "mfu": projected["mfu"],
+            {"flags": layout_flags(candidate), "step_seconds": projected["step_s"], "mfu": projected["mfu"],
              "days": projected["days"], "memory_gib_per_gpu": planned["memory_total_bytes"] / 2**30,
-             "seconds_per_step": projected["seconds"]} for layout, planned, projected in best]}
+             "seconds_per_step": projected["seconds"]} for candidate, planned, projected in best]}
     if not result["fits"]:
         result["reason"] = (f"the plan needs {total_gib:.1f} GiB per GPU but a {args.gpu} offers {budget:.0f} of its "
                             f"{mem_gib} GiB; try --ac=full or --ac=selective, more GPUs per replica (lower "
