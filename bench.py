@@ -1,6 +1,6 @@
 """
-Benchmarks and capacity planning: what a training step costs, where its time goes, and what a layout needs. It times
-train.py's own step (train.train_step, same flags) on synthetic tokens; training never imports it.
+Benchmarks: what a training step costs and where its time goes. It times train.py's own step (train.train_step, same
+flags) on synthetic tokens; training never imports it. Planning a cluster run is plan.py's.
 
     python bench.py --preset=tiny                        # ms/step, tokens/s, TFLOP/s, MFU, memory, phases, components
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
@@ -9,11 +9,7 @@ train.py's own step (train.train_step, same flags) on synthetic tokens; training
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
-    python bench.py plan --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq=8192 --global_batch=12288 \
-        --micro_batch=1 --gpu=b300 --ac=full    # memory, traffic, step time, MFU, days; the fastest layouts that fit
-    python bench.py plan --net_gbs=50 --tflops=h200.json # another network; compute rate from a saved --json result
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
-    python bench.py plot out                             # out/metrics.jsonl -> out/metrics.png (needs matplotlib)
 
 `--json` prints the report as one JSON object on the last line. On a shared machine compare ratios measured in one
 run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy cores can run 100x slower).
@@ -25,7 +21,6 @@ import dataclasses
 import difflib
 import functools
 import importlib.metadata
-import itertools
 import json
 import math
 import os
@@ -33,7 +28,7 @@ import resource
 import statistics
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -43,13 +38,10 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import PRESETS, FeedForward, MoE, RMSNorm, grouped_mm_supported, head_chunks, meta_model
+from model import PRESETS, FeedForward, MoE, grouped_mm_supported, meta_model
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
-            "plan": "memory, traffic, step time and days for a model on a GPU layout, and the fastest layouts that "
-                    "fit, without allocating anything",
-            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
-            "plot": "draw OUT_DIR/metrics.jsonl into OUT_DIR/metrics.png"}
+            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config"}
 TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [
     f"--{n}" for n in train.MODEL_FIELDS]
 
@@ -589,539 +581,6 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# bench.py plan: memory, traffic and time for a layout, by arithmetic on a meta-device model
-
-# Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
-# (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
-GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50, 3.35),   # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
-        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50, 4.8),   # NVLink 4, 400 Gb/s NIC
-        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50, 8.0),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
-        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100, 8.0)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
-FIT_FRACTION = 0.9  # 10% left for the CUDA context, NCCL buffers, fragmentation, EP load imbalance
-AG, RS, AR, A2A = "FSDP all-gather", "FSDP reduce-scatter", "HSDP all-reduce across replicas", "EP all-to-all"
-MUON_A2A, NS, OPT_HBM = "Muon all-to-all", "optimizer Newton-Schulz", "optimizer memory passes"
-# HBM bytes per fp32 element of one optimizer step. Fused AdamW reads param, grad, m, v and writes param, m, v: 7 x 4.
-# Muon: momentum (read buf, grad; write buf), Nesterov (read grad, buf; write u), weight decay (read, write param),
-# the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
-ADAMW_BYTES, MUON_BYTES = 28, 44
-
-
-def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
-    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": plus the largest transient
-    (the head's chunk at the loss, or a block AC re-materialises)}; c bytes per element, flash attention, balanced
-    routing. Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
-    D, H, G, Dh, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-    E, K, I, Is = cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.expert_hidden * cfg.n_shared_experts
-    Hd, Gd = H * Dh, G * Dh
-    # Per token. Attention: its input, q/k/v/gate, fp32 q/k norm scales, normed q, k, v, the output and its fp32
-    # log-sum-exp, the output reshaped, sigmoid(gate) and their product (o_proj's input).
-    attn = c * D + c * (Hd + Gd) + 4 * (H + G) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
-    attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
-    # Router: its fp32 input (c = 4: the FFN input), fp32 logits and scores. Per routed pair: the gathered input,
-    # gate_up output (2I), silu output, product, product x gate, fp32 gate, two int64 indices. A SwiGLU: 4c per unit.
-    experts = (4 * D if c == 2 else 0) + 8 * E + K * (c * (D + 5 * I) + 20) + 4 * c * Is
-    experts_sel = 4 * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
-    # A block: four RMSNorm inputs (and an fp32 scale per row), the FFN input, attention, the FFN.
-    full_layer = [4 * (c * D + 4) + c * D + attn + (experts if cfg.is_moe(i) else 4 * c * cfg.dense_hidden)
-                  for i in range(cfg.n_layers)]
-    sel_layer = [c * D + attn_sel + (experts_sel if cfg.is_moe(i) else c * (2 * cfg.dense_hidden + D))
-                 for i in range(cfg.n_layers)]
-    tokens = micro_batch * seq
-    head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
-    # At the loss: a chunk of R rows of fp32 logits; in bf16 instead its bf16 logits, the gradient of a group of Rg
-    # rows, the weight's bf16 copy and the group's product for the weight gradient.
-    R, Rg = head_chunks(tokens, V, torch.device("cuda"))
-    head_transient = 4 * R * V if c == 4 else c * (R + Rg) * V + 2 * c * V * D
-    saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
-             "full": cfg.n_layers * c * D + head}
-    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}  # + the head weight's fp32 gradient
-    return {mode: {"saved": kept[mode], "peak": kept[mode] + max(head_transient, 0 if mode == "none" else
-                                                                    tokens * max(full_layer))}
-            for mode in parallel.AC_MODES}
-
-
-@dataclasses.dataclass
-class Links:
-    """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter`
-    (one NIC per GPU); `latency` seconds per step of a collective; `hbm` bytes/s of each GPU's own memory."""
-    per_node: int = 8
-    intra: float = 900e9
-    inter: float = 100e9
-    latency: float = 5e-6
-    hbm: float = 8e12
-
-    def span(self, stride: int, size: int) -> tuple[int, int]:
-        """(ranks per node, nodes) of `size` ranks `stride` apart (build_mesh's order: [dp_replicate, efsdp, ep])."""
-        nodes = len({i * stride // self.per_node for i in range(size)})
-        return size // nodes, nodes
-
-    def ring_s(self, nbytes: float, group: tuple[int, int]) -> float:
-        """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
-        node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
-        k, m = group
-        s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
-        return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
-
-    def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
-        """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
-        if kind == A2A:
-            return self.all_to_all_s(nbytes, group)
-        return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
-
-    def all_to_all_s(self, nbytes: float, group: tuple[int, int]) -> float:
-        """Each rank sends `nbytes` over n = km ranks: (k-1)/n over NVLink while (n-k)/n crosses the network."""
-        k, m = group
-        n = k * m
-        return max(nbytes * (k - 1) / n / self.intra, nbytes * (n - k) / n / self.inter) + (n - 1) * self.latency
-
-
-def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float, float]:
-    """(bytes a GPU sends, of which over the network) in one collective (an all-reduce: twice a ring's)."""
-    k, m = group
-    n = k * m
-    if kind == A2A:
-        return nbytes * (n - 1) / n, nbytes * (n - k) / n
-    twice = 2 if kind == AR else 1
-    return twice * nbytes * (n - 1) / n, twice * nbytes * (m - 1) / n
-
-
-@functools.lru_cache(maxsize=None)
-def shard(unit: tuple, shards: int) -> int:
-    """Elements of one rank's shard of an FSDP unit (parameter shapes); FSDP2 pads dim 0 to the shard count."""
-    return sum(-(-shape[0] // shards) * math.prod(shape[1:]) for shape in unit)
-
-
-_FACTS = {}  # by repr(cfg): one meta-device model per config
-
-
-def model_facts(cfg) -> dict:
-    """From a meta-device model: each FSDP unit's parameter shapes, each block's matmul FLOPs per token, counts."""
-    if repr(cfg) in _FACTS:
-        return _FACTS[repr(cfg)]
-    model = meta_model(cfg)
-    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
-    blocks = list(model.layers.values())
-    shapes = lambda params: tuple(tuple(p.shape) for p in params)  # noqa: E731
-    muon = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon"), fused=False)
-    _FACTS[repr(cfg)] = {
-        # Muon's 2-D matrices in its order (FSDP shards them by rows); the 3-D ones are the routed experts
-        "muon_dense": shapes(p for g in muon.param_groups if g["muon"] for p in g["params"] if p.dim() == 2),
-        "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
-        "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
-        "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
-                    for b in blocks],
-        # 6 FLOPs per weight a token touches: forward 2, backward 4
-        "block_flops": [6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
-                                for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
-        "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
-    return _FACTS[repr(cfg)]
-
-
-@functools.lru_cache(maxsize=None)
-def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
-    """parallel.newton_schulz's matmul FLOPs on [..., O, F] turned Q x W (min, max) wide; per step A = X Xᵀ 2Q²W,
-    B = b·A + c·A·A 2Q³, X = a·X + B·X 2Q²W."""
-    *stack, O, F = shape
-    Q, W = min(O, F), max(O, F)
-    return math.prod(stack) * steps * (4 * Q * Q * W + 2 * Q ** 3)
-
-
-@functools.lru_cache(maxsize=None)
-def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
-    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
-    (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
-    owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
-    rounds = max(map(len, owned))
-    return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
-
-
-def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
-    """parallel.Muon on an FSDP group: dense matrices dealt over its S ranks, each gathered whole on its owner by an
-    all-to-all and sent back, one a round; expert shards where they live. Newton-Schulz FLOPs (per rank, critical
-    path), all-to-all bytes a rank sends (sent, over the network) and seconds, elements updated on the busiest rank."""
-    S, Fs = layout.dp_shard, layout.efsdp
-    dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
-    L, per_expert = next((u[0][0] for u in experts if u), 0), sum(ns_flops(s[1:]) for u in experts for s in u)
-    chunk = -(-L // Fs)  # expert-FSDP rank j holds experts j*chunk .. (torch.chunk)
-    by_efsdp = [per_expert * max(0, min(chunk, L - j * chunk)) for j in range(Fs)]
-    flops = [dense[r] + by_efsdp[r // layout.ep] for r in range(S)]
-    nbytes = c * shard(hidden, S)  # the rows a rank holds go out, the rows it owns come back
-    return {"flops_by_rank": flops, "flops": max(flops), "flops_mean": sum(flops) / S,
-            "critical_flops": max(by_efsdp) + dense_critical,
-            "a2a_bytes": [2 * b for b in sent_bytes(nbytes, group, A2A)],
-            "a2a_s": 2 * rounds * links.all_to_all_s(nbytes / rounds, group) if rounds else 0.0,
-            "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
-
-
-def fsdp_memory(world: int, params: int, full: dict, c: int, accum: int, grad_sync: str, keep_gathered: bool,
-                muon_elements: int | None = None) -> dict:
-    """Bytes per GPU of fp32 shards, optimizer state (AdamW's m, v; Muon's one momentum for its `muon_elements`) and
-    FSDP's buffers; `full`: each unit's unsharded elements."""
-    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
-    if muon_elements is None:
-        memory["optimizer (AdamW m, v in fp32)"] = 8 * params
-    else:
-        memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon_elements
-    if world == 1:
-        return memory
-    every, largest = full["root"] + sum(full["blocks"]) + sum(full["experts"]), max(full["blocks"] + full["experts"])
-    if keep_gathered:
-        memory["every unit gathered (compute copies)"] = c * every
-    else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
-        memory["FSDP all-gather buffers (compute copies)"] = c * (full["root"] + 2 * largest)
-    # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter.
-    memory["FSDP reduce-scatter buffers"] = (c + 4) * max(full["root"], largest)
-    if grad_sync == "last" and accum > 1:
-        memory["unsharded gradients held across micro-batches"] = 4 * every
-    return memory
-
-
-def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c: int, tokens: int, full: int,
-                     expert_full: int) -> dict:
-    """One FSDP unit's collectives (kind, buffer bytes, (ranks per node, nodes)) by part of the step, and their
-    seconds (part_s); `full`, `expert_full`: its unsharded dense and routed-expert elements."""
-    moe = expert_full > 0
-    g_dense, g_expert, g_replica, g_ep = (groups[k] for k in ("dp_shard", "efsdp", "dp_replicate", "ep"))
-    # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
-    pairs = tokens * cfg.top_k
-    a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
-    comm = {"gather": [(AG, c * full, g_dense)] + ([(AG, c * expert_full, g_expert)] if moe else []),
-            "reduce": [(RS, 4 * full, g_dense)] + ([(RS, 4 * expert_full, g_expert)] if moe else []),
-            "all_reduce": [(AR, 4 * full // layout.dp_shard, g_replica)]
-                          + ([(AR, 4 * expert_full // layout.efsdp, g_replica)] if moe else []),
-            "a2a_fwd": [(A2A, b, g_ep) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
-            "a2a_bwd": [(A2A, b, g_ep) for b in a2a]}
-    return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
-
-
-def plan(cfg, layout: parallel.Layout, seq: int, micro_batch: int, global_batch: int, ac: str = "none",
-         compute_bytes: int = 2, grad_sync: str = "every", keep_gathered: bool = False,
-         links: Links | None = None, optimizer: str = "adamw", detail: bool = True) -> dict:
-    """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`) and the
-    optimizer's work for `cfg` sharded as parallel.py does: dense parameters over dp_shard, routed experts (E/ep per
-    EP rank) over efsdp. grad_sync "last" holds unsharded gradients to the last micro-batch; detail=False: memory."""
-    layout.check(cfg, global_batch, micro_batch)
-    facts, links = model_facts(cfg), links or Links()
-    R, S, Fs, ep, c = layout.dp_replicate, layout.dp_shard, layout.efsdp, layout.ep, compute_bytes
-    accum = layout.accumulation_steps(global_batch, micro_batch)
-    experts = [tuple((cfg.n_experts // ep, *s[1:]) for s in unit) for unit in facts["experts"]]
-    params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
-    # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
-    full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
-            "experts": [Fs * shard(u, Fs) for u in experts]}
-    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(ep, Fs), "dp_replicate": links.span(S, R),
-              "ep": links.span(1, ep)}
-    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) if optimizer == "muon" \
-        else None
-    memory = fsdp_memory(layout.world, params, full, c, accum, grad_sync, keep_gathered, muon and muon["elements"])
-    acts = activation_bytes(cfg, seq, micro_batch, c, ep)
-    memory[f"activations (ac={ac}, peak)"] = acts[ac]["peak"]
-    if not detail:
-        return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
-
-    root, blocks = (full["root"], 0), list(zip(full["blocks"], full["experts"]))
-    made = {key: unit_collectives(cfg, layout, links, groups, c, micro_batch * seq, *key)
-            for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
-    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
-    units = [{**made[root], "flops": 0}] + [
-        {**made[key], "flops": flops + attn_flops * (seq if cfg.is_global(i) else min(cfg.window, seq))}
-        for i, (key, flops) in enumerate(zip(blocks, facts["block_flops"]))]
-    model_flops = facts["flops_per_token"](seq)
-    # How often each part runs in one optimizer step; each kind of unit counted once, times its number.
-    gathers = 1 if keep_gathered else accum
-    times = {"gather": gathers + (0 if keep_gathered else accum), "reduce": accum if grad_sync == "every" else 1,
-             "all_reduce": 1, "a2a_fwd": accum * (2 if ac == "full" else 1),  # full AC repeats them in backward
-             "a2a_bwd": accum}
-    traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
-    for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
-        for part, n in times.items():
-            n = gathers if is_root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
-            for kind, nbytes, group in made[key][part]:
-                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
-                    traffic[kind][side] += uses * n * b
-    step = muon or {"elements": 0}
-    step["hbm_bytes"] = ADAMW_BYTES * (params - step["elements"]) + MUON_BYTES * step["elements"]
-    step["hbm_s"] = step["hbm_bytes"] / links.hbm
-    if muon and muon["a2a_bytes"][0]:
-        traffic[MUON_A2A] = muon["a2a_bytes"]
-    return {"world": layout.world, "dp_replicate": R, "dp_shard": S, "efsdp": Fs, "ep": ep,
-            "accumulation_steps": accum, "micro_batch": micro_batch, "seq": seq, "ac": ac,
-            "keep_gathered": keep_gathered, "grad_sync": grad_sync, "params_total": facts["params"]["total"],
-            "params_active": facts["params"]["active"], "params_per_gpu": params, "flops_per_token": model_flops,
-            "head_flops_per_token": model_flops - sum(u["flops"] for u in units),  # the output head's matmuls
-            "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
-            "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES},
-            "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
-            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()}, "groups": groups, "units": units,
-            "optimizer": {"name": optimizer, **step}}
-
-
-class Timeline:
-    """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
-    queue for every FSDP collective); `seconds` counts, by kind, the time compute waits for the links."""
-
-    def __init__(self):
-        self.compute_end = self.link_end = 0.0
-        self.busy, self.first_busy = [], 0  # (start, end, kind) on the links, in order
-        self.seconds = defaultdict(float)   # compute and EP all-to-all time, and exposed waits by kind
-        self.link_s = defaultdict(float)    # link time by kind
-
-    def comm(self, kind: str, seconds: float, ready: float) -> float:
-        start = max(self.link_end, ready)
-        self.link_end = start + seconds
-        self.busy.append((start, self.link_end, kind))
-        self.link_s[kind] += seconds
-        return self.link_end
-
-    def compute(self, seconds: float, ready: float = 0.0, kind: str = "compute") -> float:
-        start = max(self.compute_end, ready)
-        # The wait, charged to the collectives the links are busy with meanwhile.
-        while self.first_busy < len(self.busy) and self.busy[self.first_busy][1] <= self.compute_end:
-            self.first_busy += 1
-        for s, e, k in self.busy[self.first_busy:]:
-            if s >= start:
-                break
-            self.seconds[f"exposed {k}"] += min(e, start) - max(s, self.compute_end)
-        self.compute_end = start + seconds
-        self.seconds[kind] += seconds
-        return start
-
-    def in_line(self, kind: str, seconds: float):
-        """Work on the compute stream, if any; an all-to-all there (experts wait for their tokens) is link time too."""
-        if seconds:
-            self.compute(seconds, kind=kind)
-            if kind in (A2A, MUON_A2A):
-                self.link_s[kind] += seconds
-
-
-def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
-    """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
-    backward from the last block, re-gathered one ahead (unless kept), its gradients reduce-scattered (on the last
-    micro-batch also all-reduced across replicas) as soon as its backward ends."""
-    tokens, units = p["micro_batch"] * p["seq"], p["units"]
-    gather, regather = first or not p["keep_gathered"], not p["keep_gathered"]
-    recompute = 2 if p["ac"] == "full" else 1  # full AC runs each block's forward again in backward
-    ready = [tl.comm(AG, units[0]["gather_s"], tl.compute_end) if gather else 0.0] + [0.0] * (len(units) - 1)
-    for j, u in enumerate(units):
-        start = tl.compute(u["flops"] / 3 * tokens / flops_s, ready[j])
-        if gather and j + 1 < len(units):
-            ready[j + 1] = tl.comm(AG, units[j + 1]["gather_s"], start)
-        tl.in_line(A2A, u["a2a_fwd_s"])
-    tl.compute(p["head_flops_per_token"] * tokens / flops_s)  # the fused loss makes the head's gradients too
-    blocks = units[:0:-1]
-    ready = [tl.comm(AG, blocks[0]["gather_s"], tl.compute_end) if regather else 0.0] + [0.0] * len(blocks)
-    for j, u in enumerate(blocks + [units[0]]):
-        if u is not units[0]:
-            start = tl.compute(u["flops"] / 3 * (1 + recompute) * tokens / flops_s, ready[j])
-            if regather and j + 1 < len(blocks):
-                ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
-            tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
-        if p["grad_sync"] == "every" or last:
-            tl.comm(RS, u["reduce_s"], tl.compute_end)
-        if last and p["dp_replicate"] > 1:
-            tl.comm(AR, u["all_reduce_s"], tl.compute_end)
-
-
-def optimizer_on(tl: Timeline, p: dict, flops_s: float):
-    """The optimizer step once the last reductions are in: Newton-Schulz and its all-to-alls (Muon), then the
-    elementwise passes at HBM speed."""
-    tl.compute(0.0, tl.link_end)
-    o = p["optimizer"]
-    for kind, seconds in ((NS, o.get("critical_flops", 0) / flops_s), (MUON_A2A, o.get("a2a_s", 0.0)),
-                          (OPT_HBM, o["hbm_s"])):
-        tl.in_line(kind, seconds)
-
-
-def project(p: dict, flops_s: float, peak_tflops: float, tokens_budget: float = 17e12) -> dict:
-    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated for the others) and the last micro-batch on a
-    timeline; step seconds, compute and exposed waits and link time by kind, tokens/s per GPU, MFU, days."""
-    tl, accum = Timeline(), p["accumulation_steps"]
-    marks = []
-    for i in range(min(accum, 3)):
-        micro_batch_on(tl, p, flops_s, first=i == 0, last=i == min(accum, 3) - 1)
-        marks.append((tl.compute_end, dict(tl.seconds), dict(tl.link_s)))
-    optimizer_on(tl, p, flops_s)
-    step_s, seconds, link_s = tl.compute_end, dict(tl.seconds), dict(tl.link_s)
-    if accum > 3:  # the middle micro-batches repeat the second one
-        more = accum - 3
-        step_s += more * (marks[1][0] - marks[0][0])
-        for total, now, before in ((seconds, marks[1][1], marks[0][1]), (link_s, marks[1][2], marks[0][2])):
-            for k in now:
-                total[k] = total.get(k, 0.0) + more * (now[k] - before.get(k, 0.0))
-    tokens = accum * p["micro_batch"] * p["seq"]  # per GPU per step
-    mfu = p["flops_per_token"] * tokens / step_s / (peak_tflops * 1e12)
-    return {"step_s": step_s, "seconds": seconds, "link_s": link_s, "tokens_per_s_per_gpu": tokens / step_s,
-            "mfu": mfu, "days": tokens_budget / (tokens * p["world"]) * step_s / 86400,
-            "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
-
-
-def search(cfg, gpus: int, seq: int, global_batch: int, gpu: str, links: Links, flops_s: float, top: int = 5,
-           optimizer: str = "adamw"):
-    """The `top` fastest layouts train.py can run that fit (replicas, ep, micro-batch, AC, --keep_gathered), with the
-    numbers tried and fitting."""
-    peak, mem_gib = GPUS[gpu][:2]
-    found, tried = [], 0
-    moe = cfg.n_dense_layers < cfg.n_layers
-    for R in parallel._divisors(gpus):
-        for ep in [e for e in parallel._divisors(gpus // R) if cfg.n_experts % e == 0] if moe else [1]:
-            for micro, ac, keep in itertools.product(parallel._divisors(global_batch // gpus), parallel.AC_MODES,
-                                                     (False, True)):
-                tried += 1
-                args = (cfg, parallel.Layout(gpus, R, ep), seq, micro, global_batch, ac, 2, "every", keep, links,
-                        optimizer)
-                if plan(*args, detail=False)["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
-                    p = plan(*args)
-                    found.append((p, project(p, flops_s, peak)))
-    found.sort(key=lambda f: (f[1]["step_s"], f[0]["memory_total_bytes"]))
-    return found[:top], tried, len(found)
-
-
-def layout_flags(p: dict) -> str:
-    return (f"--dp_replicate={p['dp_replicate']} --ep={p['ep']} --micro_batch={p['micro_batch']} --ac={p['ac']}"
-            + (" --keep_gathered=true" if p["keep_gathered"] else ""))
-
-
-def why_slower(t: dict, best: dict) -> str:
-    """The part of the step that grew most against the best layout's."""
-    if t["step_s"] <= 1.005 * best["step_s"]:
-        return "ties with the fastest (within 0.5%)"
-    worst = max(set(t["seconds"]) | set(best["seconds"]),
-                key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
-    return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
-
-
-def read_tflops(text: str) -> tuple[float, str]:
-    """--tflops: a number, or a saved `bench.py --json` output whose last line gives tflops_per_device."""
-    with contextlib.suppress(ValueError):
-        return float(text), "given"
-    if not os.path.isfile(text):
-        raise ValueError(f"--tflops={text} is neither a number nor a file; pass TFLOP/s or a saved bench.py --json "
-                         f"output.")
-    with open(text) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    try:
-        result = json.loads(lines[-1])
-        return float(result["tflops_per_device"]), f"measured by bench.py on {result.get('device', '?')} ({text})"
-    except (IndexError, ValueError, KeyError, TypeError):
-        raise ValueError(f"{text} does not end with a bench.py --json result holding tflops_per_device; save the "
-                         f"output of `python bench.py --json ...` on the GPU.") from None
-
-
-def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
-    """The plan's report: layout, parameters, memory, FLOPs, links, traffic, the step's time and the run's days."""
-    peak, mem_gib = GPUS[r["gpu"]][:2]
-    tokens_per_step = r["global_batch"] * r["seq"]
-    print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
-          f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
-          f"({p['accumulation_steps']} micro-batch(es) per step), ac={r['ac']}, grad_sync={r['grad_sync']}, "
-          f"keep_gathered={r['keep_gathered']}")
-    print(layout)
-    print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
-          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
-    print("memory per GPU:")
-    for k, v in r["memory_gib"].items():
-        print(f"  {k:48s} {v:9.2f} GiB")
-    print(f"  {'total':48s} {r['memory_gib_per_gpu']:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: "
-          f"{FIT_FRACTION * mem_gib:.0f})")
-    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
-                                                       for k, v in r["activations_gib_by_ac"].items()))
-    print(f"FLOPs per token at seq {r['seq']}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
-          f"attention)")
-    spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
-    print(f"links: {links.per_node} GPUs per node, NVLink {links.intra / 1e9:g} GB/s and network "
-          f"{links.inter / 1e9:g} GB/s per GPU each way, {links.latency * 1e6:g} us per collective step; groups "
-          f"(ranks per node x nodes): {spans}")
-    print("bytes each GPU sends per optimizer step, and the time they take on the links:")
-    for k, v in p["traffic_bytes_per_step"].items():
-        print(f"  {k:40s} {v / 1e9:9.1f} GB ({p['network_bytes_per_step'][k] / 1e9:7.1f} GB over the network) "
-              f"{t['link_s'].get(k, 0.0):7.2f} s")
-    o, s = r["optimizer_step"], t["seconds"]
-    muon = (f"Newton-Schulz {o['muon_flops_per_gpu'] / 1e12:.1f} TFLOP on the busiest rank (mean "
-            f"{o['muon_flops_mean'] / 1e12:.1f}), {s[NS]:.3g} s on the ranks' critical path; all-to-all "
-            f"{o['muon_all_to_all_bytes_per_gpu'] / 1e9:.2f} GB, {s.get(MUON_A2A, 0.0):.3g} s; ") \
-        if r["optimizer"] == "muon" else ""
-    print(f"optimizer step ({r['optimizer']}) per GPU: {muon}elementwise passes {o['hbm_bytes_per_gpu'] / 1e9:.1f} GB "
-          f"at {r['hbm_gb_s']:g} GB/s, {s[OPT_HBM]:.3g} s; {o['seconds']:.3g} s after the last reductions")
-    print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
-          f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
-    for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
-        print(f"  {k:48s} {v:9.2f} s")
-    print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
-          f"{100 * t['mfu']:.1f}%")
-    print(f"time: {r['tokens']:.3g} tokens on {r['gpus']} x {r['gpu']}: {t['days']:.1f} days "
-          f"({r['tokens'] / tokens_per_step:,.0f} steps of {tokens_per_step / 1e6:.1f}M tokens)")
-
-
-def bench_plan(args, tc: train.TrainConfig, overrides: dict) -> dict:
-    peak, mem_gib, nvlink_gbs, net_gbs, hbm_tbs = GPUS[args.gpu]
-    links = Links(args.gpus_per_node, (args.nvlink_gbs or nvlink_gbs) * 1e9, (args.net_gbs or net_gbs) * 1e9,
-                  args.latency_us * 1e-6, args.hbm_gbs * 1e9 or hbm_tbs * 1e12)
-    tflops, rate_from = read_tflops(args.tflops) if args.tflops else (args.mfu * peak, f"{100 * args.mfu:g}% of peak")
-    if tflops <= 0:
-        raise ValueError(f"--tflops={args.tflops} must be above 0.")
-    seq = args.seq or PRESETS[tc.preset].max_seq_len
-    global_batch = args.global_batch or args.gpus * args.micro_batch
-    cfg = model_config(dataclasses.replace(tc, seq_len=seq), overrides)
-    layout = parallel.Layout(args.gpus, args.dp_replicate, args.ep)
-    result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": seq,
-              "micro_batch": args.micro_batch, "global_batch": global_batch, "ac": args.ac, "grad_sync": args.grad_sync,
-              "keep_gathered": tc.keep_gathered, "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9,
-              "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "hbm_gb_s": links.hbm / 1e9,
-              "compute_tflops": tflops, "optimizer": tc.optimizer}
-    try:
-        p = plan(cfg, layout, seq, args.micro_batch, global_batch, args.ac, 2, args.grad_sync, tc.keep_gathered,
-                 links, tc.optimizer)
-    except ValueError as e:
-        return {**result, "fits": False, "reason": str(e), "exit": 2}
-    t = project(p, tflops * 1e12, peak, args.tokens)
-    total_gib, budget = p["memory_total_bytes"] / 2**30, FIT_FRACTION * mem_gib
-    result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
-                  memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
-                  activations_gib_by_ac={k: v / 2**30 for k, v in p["activations_by_ac"].items()},
-                  flops_per_token=p["flops_per_token"], params_total=p["params_total"],
-                  params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
-                  traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["traffic_bytes_per_step"].items()},
-                  network_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["network_bytes_per_step"].items()},
-                  step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
-                  tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], tokens=args.tokens, days=t["days"],
-                  fits=total_gib <= budget)
-    o = p["optimizer"]  # its seconds by part are in seconds_per_step
-    result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
-        {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
-         "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
-    print_plan(result, p, t, links, layout.describe(cfg.n_experts), rate_from)
-    if args.search:
-        best, tried, fit = search(cfg, args.gpus, seq, global_batch, args.gpu, links, tflops * 1e12,
-                                  optimizer=tc.optimizer)
-        print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {global_batch} x {seq} kept):"
-              + ("" if best else " none; use more GPUs or a smaller model"))
-        for i, (q, s) in enumerate(best):
-            lose = "fastest" if i == 0 else f"+{100 * (s['step_s'] / best[0][1]['step_s'] - 1):.1f}%: " \
-                                            f"{why_slower(s, best[0][1])}"
-            print(f"  {i + 1}. {layout_flags(q):76s} {s['step_s']:#7.3g} s  MFU {100 * s['mfu']:4.1f}%  "
-                  f"{s['days']:5.1f} days  {q['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
-        if best:
-            print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, best[0][1])}")
-            print(f"  the fastest with train.py ({args.gpus} ranks): train.py --preset={tc.preset} --seq_len={seq} "
-                  f"--global_batch={global_batch} {layout_flags(best[0][0])}")
-        result["search"] = {"tried": tried, "fit": fit, "best": [
-            {"flags": layout_flags(q), "step_seconds": s["step_s"], "mfu": s["mfu"], "days": s["days"],
-             "memory_gib_per_gpu": q["memory_total_bytes"] / 2**30, "seconds_per_step": s["seconds"]}
-            for q, s in best]}
-    if not result["fits"]:
-        hint = ("; most of it is the unsharded fp32 gradients FSDP holds between micro-batches with "
-                "--grad_sync=last (train.py reduce-scatters every micro-batch: --grad_sync=every)"
-                if "unsharded gradients held across micro-batches" in p["memory_bytes"] else
-                "; try --ac=full or --ac=selective, more GPUs per replica (lower --dp_replicate), or a smaller "
-                "--micro_batch")
-        result["reason"] = (f"the plan needs {total_gib:.1f} GiB per GPU but a {args.gpu} offers {budget:.0f} of its "
-                            f"{mem_gib} GiB{hint}")
-        result["exit"] = 1
-    return result
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
 
 def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
@@ -1188,63 +647,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# bench.py plot: metrics.jsonl -> metrics.png
-
-def bench_plot(out_dir: str) -> dict:
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist; pass the --out_dir of a train.py run.")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("bench.py plot draws with matplotlib, which is not installed here: pip install matplotlib")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-
-    series = lambda key: [(r["step"], r[key]) for r in rows if r.get(key) is not None]  # noqa: E731
-    fig, (ax_loss, ax_grad, ax_vio) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
-    for key, style in (("loss", "-"), ("lm_loss", "-"), ("val_loss", "o-")):
-        if series(key):
-            ax_loss.plot(*zip(*series(key)), style, label=key, markersize=3)
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend()
-    if series("grad_norm"):
-        ax_grad.plot(*zip(*series("grad_norm")), label="grad norm (before clipping)")
-        ax_grad.set_yscale("log")
-        ax_grad.legend()
-    ax_grad.set_ylabel("grad norm")
-    vio = series("max_vio_layers")
-    first_moe = 0  # name the curves by block index when the run's config.json says where the MoE layers start
-    if os.path.isfile(os.path.join(out_dir, "config.json")):
-        with open(os.path.join(out_dir, "config.json")) as f:
-            first_moe = json.load(f).get("model", {}).get("n_dense_layers", 0)
-    for i in range(len(vio[0][1]) if vio else 0):
-        ax_vio.plot([s for s, _ in vio], [v[i] for _, v in vio], label=f"layer {first_moe + i}")
-    if vio:
-        ax_vio.legend(ncol=4, fontsize="small")
-    ax_vio.set_ylabel("MaxVio (max load / mean - 1)")
-    ax_vio.set_xlabel("step")
-    fig.tight_layout()
-    out = os.path.join(out_dir, "metrics.png")
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    print(f"wrote {out} ({len(rows)} steps)")
-    return {"command": "plot", "png": out, "steps": len(rows)}
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # Command line
-
-class _Parser(train._Parser):
-    """train.py's parser (a mistyped flag names the closest one), but a bad value is reported as such."""
-
-    def error(self, message):
-        if message.startswith("argument "):  # "argument --gpu: invalid choice: ...": the flag exists
-            self.exit(2, f"{self.prog}: error: {message}\n")
-        super().error(message)
-
 
 def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
     """An argparse type: `kind` of the text, refused with the range it must be in."""
@@ -1264,52 +667,20 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
                            + ", ".join(COMMANDS) + " (bench.py COMMAND --help).",
                    "moe": COMMANDS["moe"] + ", forward + backward on one preset's shapes.",
-                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.",
-                   "plan": COMMANDS["plan"] + " (the preset defaults to large).", "plot": COMMANDS["plot"]}[command]
-    parser = _Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
-                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                     epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides such "
-                            "as --dim=512, and the layout, batch and precision flags.")
+                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately."}[command]
+    parser = train._Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
+                           allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
+                                  "such as --dim=512, and the layout, batch and precision flags.")
     add = parser.add_argument
     switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
-    if command == "plot":
-        add("out_dir", help="a train.py --out_dir holding metrics.jsonl")
-        return parser, []
-    if command == "plan":
-        add("--gpus", type=_bounded(int, 1), default=2048, help="world size")
-        add("--dp_replicate", type=_bounded(int, 1), default=16, help="HSDP replicas")
-        add("--ep", type=_bounded(int, 1), default=8, help="expert-parallel degree")
-        add("--seq", "--seq_len", type=_bounded(int, 0), default=0, help="sequence length (0: the preset's)")
-        add("--global_batch", type=_bounded(int, 0), default=0, help="sequences per step (0: one per GPU)")
-        add("--micro_batch", type=_bounded(int, 1), default=1, help="sequences per GPU per forward")
-        add("--gpu", choices=GPUS, default="b300",
-            help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
-        add("--ac", choices=parallel.AC_MODES, default="none", help="activation checkpointing")
-        add("--grad_sync", choices=("last", "every"), default="every",
-            help="gradient reduce-scatter under accumulation: every micro-batch (as train.py does) | last (unsharded "
-                 "gradients held between micro-batches; not searched: train.py cannot run it)")
-        add("--tokens", type=_bounded(float, 0, low_open=True), default=17e12, help="training token budget")
-        add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
-            help="the GPU's compute rate while it computes, as a fraction of its peak (communication is added by the "
-                 "time model)")
-        add("--tflops", default="", help="compute rate in TFLOP/s, or a saved `bench.py --json` result measured on "
-            "the GPU (its tflops_per_device); overrides --mfu")
-        add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
-        add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-        add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: "
-            "the GPU kind's default, h100/h200/b200 50, b300 100)")
-        add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
-        add("--hbm_gbs", type=_bounded(float, 0), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
-            "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
-        switch("--search", help="also list the five fastest layouts that fit (--search=false: skip)")
-    else:
-        warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
-        add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
-        add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
-        add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
-            "steadier ratios on a machine others are using")
-        add("--clock", choices=CLOCKS, default="wall",
-            help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
+    warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
+    add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
+    add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
+    add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
+        "steadier ratios on a machine others are using")
+    add("--clock", choices=CLOCKS, default="wall",
+        help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "step":
         add("--save", default="", metavar="PATH",
@@ -1323,10 +694,10 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
     if command in ("step", "moe"):
         switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
-    return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"], "plan": ["--preset=large"]}.get(command, [])
+    return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"]}.get(command, [])
 
 
-def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig | None, dict]:
+def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig, dict]:
     """(command, bench flags, TrainConfig, model overrides) from the command line."""
     command = argv[0] if argv and not argv[0].startswith("-") else "step"
     if command != "step":
@@ -1337,16 +708,13 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig |
                              f"{f'; did you mean {close[0]}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
                              f"or none for the training step)")
     parser, train_defaults = _command_parser(command)
-    if command == "plot":
-        return command, parser.parse_args(argv), None, {}
     args, rest = parser.parse_known_args(argv)
     own = [s for action in parser._actions for s in action.option_strings]
-    for word in rest:
-        flag = word.split("=")[0]
-        if word.startswith("--") and flag not in TRAIN_FLAGS:
-            close = difflib.get_close_matches(flag, own + TRAIN_FLAGS, n=1, cutoff=0.5)
-            parser.exit(2, f"{parser.prog}: error: unknown flag {flag}"
-                           f"{f'; did you mean {close[0]}?' if close else '; see --help'}\n")
+    for name in (word.split("=")[0] for word in rest if word.startswith("--")):
+        # A mistyped bench.py flag is named here; train.py's parser names the rest (and other trainers' names for them)
+        close = difflib.get_close_matches(name, own + TRAIN_FLAGS, n=1, cutoff=0.5)
+        if name not in TRAIN_FLAGS and close and close[0] in own and name[2:] not in train.OTHER_NAMES:
+            parser.exit(2, f"{parser.prog}: error: unknown flag {name}; did you mean {close[0]}?\n")
     tc, overrides = train.parse_args(train_defaults + rest)
     return command, args, tc, overrides
 
@@ -1355,16 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     global clock
     command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
     threads = torch.get_num_threads()
-    torch.set_num_threads(getattr(args, "threads", 0) or threads)
-    clock = CLOCKS[getattr(args, "clock", "wall")]
+    torch.set_num_threads(args.threads or threads)
+    clock = CLOCKS[args.clock]
     try:
         if clock is not CLOCKS["wall"] and parallel.use_cuda():
             raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
-        if command == "plot":
-            result = bench_plot(args.out_dir)
-        else:
-            run = {"step": bench_step, "moe": bench_moe, "plan": bench_plan, "vs-hf": bench_vs_hf}[command]
-            result = run(args, tc, overrides)
+        run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}[command]
+        result = run(args, tc, overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1373,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     code = result.pop("exit", 0)
     if code and "reason" in result:
         print(f"error: {result['reason']}", file=sys.stderr)
-    if getattr(args, "json", False) and int(os.environ.get("RANK", "0")) == 0:
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result, default=float))
     return code
 

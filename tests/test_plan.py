@@ -1,11 +1,17 @@
-"""bench.py plan: the planner's memory, bytes and time against real models and hand-computed cases; its search.
+"""plan.py: the planner's memory, bytes and time against real models and hand-computed cases; its search; the run it
+plans is the run train.py makes from the same flags and config file; the time failures cost.
 
     python -m pytest tests/test_plan.py -q
 
 The multi-rank checks are this file run under torchrun (`python -m torch.distributed.run --standalone
 --nproc_per_node=N tests/test_plan.py memory|traffic OUT_DIR`)."""
 
+import argparse
+import dataclasses
 import json
+import math
+import re
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -18,62 +24,71 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
+import checkpoint
 import parallel
+import plan
 import train
-from conftest import run_worker, torchrun
+from conftest import TINY_MODEL_FLAGS, run_worker, torchrun
 from model import ModelConfig
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
                   head_dim=16, window=8, max_seq_len=32, n_experts=16, n_shared_experts=1, top_k=4, expert_hidden=32)
-SEQ, GLOBAL_BATCH, MICRO_BATCH = 32, 8, 4
-SEED_LAYOUT = ["plan", "--preset=large", "--gpus=2048", "--dp_replicate=16", "--ep=8", "--seq=8192",
-               "--global_batch=12288", "--micro_batch=1", "--gpu=b300", "--search=false", "--json"]
+SEQ = 32
+GLOBAL_BATCH = 8
+MICRO_BATCH = 4
+SEED_LAYOUT = ["--preset=large", "--gpus=2048", "--dp_replicate=16", "--ep=8", "--seq_len=8192", "--global_batch=12288",
+               "--micro_batch=1", "--tokens=17e12", "--gpu=b300", "--search=false", "--json"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_json(capsys, argv) -> tuple[int, dict]:
-    """bench.main's exit code and the JSON object on its last line."""
-    code = bench.main(argv)
+    """plan.main's exit code and the JSON object on its last line."""
+    code = plan.main(argv)
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def run_config(**fields) -> train.TrainConfig:
+    """A run of CFG-sized batches in fp32, as the CPU runs these tests compare with train; `fields` change it."""
+    return train.TrainConfig(**{"seq_len": SEQ, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
+                                "dtype": "fp32", **fields})
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Memory
 
 def test_plan_seed_layout(capsys):
-    code, plan = run_json(capsys, SEED_LAYOUT)
-    assert plan["flops_per_token"] == pytest.approx(99.2e9, rel=0.01)  # 6 x active weights + attention, at 8192
+    code, report = run_json(capsys, SEED_LAYOUT)
+    assert report["flops_per_token"] == pytest.approx(99.2e9, rel=0.01)  # 6 x active weights + attention, at 8192
     # HSDP: each replica of 128 GPUs holds the whole model, so a GPU holds 1/128 of it (2 whole experts per layer),
     # not 1/2048: the 16 replicas hold copies.
-    assert plan["params_per_gpu"] == pytest.approx(398.6e9 / 128, rel=0.01)
-    assert plan["params_total"] == pytest.approx(398.6e9, rel=0.001)
-    assert sum(plan["memory_gib"].values()) == pytest.approx(plan["memory_gib_per_gpu"])
-    # 17T tokens in steps of 12288 x 8192 tokens; communication makes the step longer than the compute alone
-    # (17T x 99.2 GFLOP at 40% of 2048 x 2.25 PFLOP/s: 10.6 days).
-    assert plan["days"] == pytest.approx(17e12 / (12288 * 8192) * plan["step_seconds"] / 86400)
-    assert plan["days"] > 17e12 * 99.2e9 / (2048 * 2250e12 * 0.4) / 86400 and plan["mfu"] < 0.4
+    assert report["params_per_gpu"] == pytest.approx(398.6e9 / 128, rel=0.01)
+    assert report["params_total"] == pytest.approx(398.6e9, rel=0.001)
+    assert sum(report["memory_gib"].values()) == pytest.approx(report["memory_gib_per_gpu"])
+    # 17T tokens: the steps of 12288 x 8192 tokens that reach them; communication makes the step longer than the
+    # compute alone (17T x 99.2 GFLOP at 40% of 2048 x 2.25 PFLOP/s: 10.6 days).
+    assert report["steps"] == math.ceil(17e12 / (12288 * 8192)) == 168_880
+    assert report["days"] == pytest.approx(168_880 * report["step_seconds"] / 86400)
+    assert report["days"] > 17e12 * 99.2e9 / (2048 * 2250e12 * 0.4) / 86400 and report["mfu"] < 0.4
     # Without activation checkpointing one 8192-token sequence per micro-batch fits a B300 in about 200 GiB, two do
-    # not; with full AC the plan fits with room to spare. Holding unsharded fp32 gradients between micro-batches
-    # (--grad_sync=last) would not fit even then.
-    assert code == 0 and plan["fits"] and plan["memory_gib_per_gpu"] > 0.65 * 288
+    # not; with full AC the plan fits with room to spare.
+    assert code == 0 and report["fits"] and report["memory_gib_per_gpu"] > 0.65 * 288
     code, two = run_json(capsys, SEED_LAYOUT + ["--micro_batch=2"])
     assert code == 1 and not two["fits"] and "try --ac=full" in two["reason"]
-    code, plan = run_json(capsys, SEED_LAYOUT + ["--ac=full"])
-    assert code == 0 and plan["fits"] and plan["memory_gib_per_gpu"] < 0.9 * 288
-    code, last = run_json(capsys, SEED_LAYOUT + ["--grad_sync=last", "--ac=full"])
-    assert code == 1 and "unsharded fp32 gradients" in last["reason"]
-    assert plan["activations_gib_by_ac"]["full"] < plan["activations_gib_by_ac"]["selective"] \
-        < plan["activations_gib_by_ac"]["none"]
+    code, report = run_json(capsys, SEED_LAYOUT + ["--ac=full"])
+    assert code == 0 and report["fits"] and report["memory_gib_per_gpu"] < 0.9 * 288
+    assert report["activations_gib_by_ac"]["full"] < report["activations_gib_by_ac"]["selective"] \
+        < report["activations_gib_by_ac"]["none"]
 
 
 @pytest.mark.parametrize("flags, code, reason", [
     (["--dp_replicate=3"], 2, "world size 2048 is not divisible by dp_replicate=3"),
     (["--ep=3"], 2, "ep=3 does not divide dp_shard=128"),
     (["--global_batch=1000"], 2, "global_batch=1000 sequences is not divisible by world 2048"),
-    (["--gpus=32", "--dp_replicate=1", "--global_batch=32", "--grad_sync=every"], 1, "GiB per GPU but a b300 offers"),
+    (["--gpus=32", "--dp_replicate=1", "--global_batch=32"], 1, "GiB per GPU but a b300 offers"),
 ])
 def test_plan_rejects_layouts_with_the_reason(capsys, flags, code, reason):
-    got, plan = run_json(capsys, SEED_LAYOUT + flags)
-    assert got == code and plan["fits"] is False and reason in plan["reason"]
+    got, report = run_json(capsys, SEED_LAYOUT + flags)
+    assert got == code and report["fits"] is False and reason in report["reason"]
 
 
 def measured_bytes(model, optimizer, tc, batch) -> dict:
@@ -92,7 +107,8 @@ def measured_bytes(model, optimizer, tc, batch) -> dict:
 
 
 def predicted_bytes(layout) -> dict:
-    memory = bench.plan(CFG, layout, SEQ, MICRO_BATCH, GLOBAL_BATCH, compute_bytes=4)["memory_bytes"]
+    tc = run_config(dp_replicate=layout.dp_replicate, ep=layout.ep)
+    memory = plan.estimate(CFG, tc, layout.world)["memory_bytes"]
     return {"params": memory["parameters (fp32 master shards)"], "grads": memory["gradients (fp32 shards)"],
             "optimizer": memory["optimizer (AdamW m, v in fp32)"]}
 
@@ -133,7 +149,7 @@ def test_plan_memory_matches_a_real_model(one_thread):
     tokens_BT = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, SEQ + 1))
     for ac in ("none", "full"):
         model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"), ac=ac)
-        want = bench.activation_bytes(CFG, SEQ, MICRO_BATCH, c=4)[ac]["saved"]
+        want = plan.activation_bytes(CFG, SEQ, MICRO_BATCH, c=4)[ac]["saved"]
         assert want == pytest.approx(saved_activation_bytes(model, tokens_BT), rel=0.15), ac
 
 
@@ -173,7 +189,8 @@ def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, per_
         layout = parallel.Layout(world, replicas, ep)
         mesh = parallel.build_mesh(layout, "cpu")
         big = ModelConfig(**{**CFG.__dict__, "n_experts": 64})
-        groups = bench.plan(big, layout, SEQ, 1, world, links=bench.Links(per_node=per_node))["groups"]
+        tc = run_config(micro_batch=1, global_batch=world, dp_replicate=replicas, ep=ep)
+        groups = plan.estimate(big, tc, world, plan.Links(per_node=per_node))["groups"]
         for name, (k, m) in groups.items():
             ranks = parallel._submesh(mesh, name).mesh.flatten().tolist()
             nodes = {r // per_node for r in ranks}
@@ -183,7 +200,7 @@ def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, per_
 
 
 def test_collective_costs_by_hand():
-    links = bench.Links(per_node=8, intra=100.0, inter=10.0, latency=1.0)
+    links = plan.Links(per_node=8, intra=100.0, inter=10.0, latency=1.0)
     # One node: a ring of 8 sends 7/8 of 800 bytes at 100 B/s, in 7 steps.
     assert links.ring_s(800, (8, 1)) == pytest.approx(7 + 7)
     # Two nodes: then each GPU carries 1/8 of the buffer, half of it to the other node, at 10 B/s, in 1 step.
@@ -192,51 +209,53 @@ def test_collective_costs_by_hand():
     assert links.ring_s(800, (1, 4)) == pytest.approx(800 * 3 / 4 / 10 + 3)
     # All-to-all over 16 ranks on 2 nodes: 7/16 over NVLink while 8/16 cross the network; 15 steps.
     assert links.all_to_all_s(800, (8, 2)) == pytest.approx(max(800 * 7 / 16 / 100, 800 * 8 / 16 / 10) + 15)
-    assert bench.sent_bytes(800, (8, 2), bench.AR) == (2 * 800 * 15 / 16, 2 * 800 * 1 / 16)
+    assert plan.sent_bytes(800, (8, 2), plan.AR) == (2 * 800 * 15 / 16, 2 * 800 * 1 / 16)
 
 
 def test_timeline_overlaps_communication_it_can_and_charges_the_waits():
-    tl = bench.Timeline()
-    first = tl.comm(bench.AG, 2.0, 0.0)                   # nothing to hide the first gather behind
+    tl = plan.Timeline()
+    first = tl.comm(plan.AG, 2.0, 0.0)                   # nothing to hide the first gather behind
     start = tl.compute(1.0, first)
-    nxt = tl.comm(bench.AG, 0.5, start)                    # prefetched under the first block: hidden
+    nxt = tl.comm(plan.AG, 0.5, start)                    # prefetched under the first block: hidden
     start = tl.compute(1.0, nxt)
-    tl.comm(bench.RS, 3.0, tl.compute_end)                 # longer than what follows: 2 s exposed
+    tl.comm(plan.RS, 3.0, tl.compute_end)                 # longer than what follows: 2 s exposed
     tl.compute(1.0)
     tl.compute(0.0, tl.link_end)
     assert tl.compute_end == pytest.approx(2 + 1 + 1 + 3)
-    assert tl.seconds == pytest.approx({"compute": 3.0, f"exposed {bench.AG}": 2.0, f"exposed {bench.RS}": 2.0})
-    assert tl.link_s == pytest.approx({bench.AG: 2.5, bench.RS: 3.0})
+    assert tl.seconds == pytest.approx({"compute": 3.0, f"exposed {plan.AG}": 2.0, f"exposed {plan.RS}": 2.0})
+    assert tl.link_s == pytest.approx({plan.AG: 2.5, plan.RS: 3.0})
 
 
 def test_one_gpu_steps_at_its_compute_rate():
-    peak, rate = 100.0, 40e12
+    peak = 100.0
+    rate = 40e12
     for ac, recompute in (("none", 0), ("selective", 0), ("full", 1)):
-        p = bench.plan(CFG, parallel.Layout(1), SEQ, 2, 8, ac, compute_bytes=4)
+        p = plan.estimate(CFG, run_config(micro_batch=2, ac=ac), 1)
         assert p["head_flops_per_token"] == 6 * CFG.vocab_size * CFG.dim  # the head is the rest of the FLOPs
         blocks = sum(u["flops"] for u in p["units"])
-        t = bench.project(p, rate, peak, tokens_budget=8 * SEQ * 10)
+        t = plan.project(p, rate, peak, steps=10)
         compute_s = 8 * SEQ * (p["flops_per_token"] + recompute * blocks / 3) / rate
         # then fused AdamW: 28 bytes per fp32 parameter at the HBM's speed
-        assert t["step_s"] == pytest.approx(compute_s + 28 * p["params_per_gpu"] / bench.Links().hbm)
+        assert t["step_s"] == pytest.approx(compute_s + 28 * p["params_per_gpu"] / plan.Links().hbm)
         assert t["days"] == pytest.approx(10 * t["step_s"] / 86400)
         if not recompute:
             assert t["mfu"] == pytest.approx(rate / (peak * 1e12) * compute_s / t["step_s"])
-            assert set(t["seconds"]) == {"compute", bench.OPT_HBM}
+            assert set(t["seconds"]) == {"compute", plan.OPT_HBM}
 
 
 @pytest.mark.parametrize("keep, optimizer", [(False, "adamw"), (True, "adamw"), (False, "muon")])
 def test_middle_micro_batches_repeat_as_a_whole_timeline_runs_them(keep, optimizer):
     """project() times three micro-batches and repeats the middle one: the same step as all eight on one timeline,
     on links slow enough that communication spills from one micro-batch into the next."""
-    links = bench.Links(per_node=8, intra=10e9, inter=1e7, latency=5e-6)
-    p = bench.plan(CFG, parallel.Layout(16, 2, 2), SEQ, 1, 16 * 8, keep_gathered=keep, links=links,
-                   optimizer=optimizer)
-    tl = bench.Timeline()
+    links = plan.Links(per_node=8, intra=10e9, inter=1e7, latency=5e-6)
+    tc = run_config(dtype="bf16", micro_batch=1, global_batch=16 * 8, dp_replicate=2, ep=2, keep_gathered=keep,
+                    optimizer=optimizer)
+    p = plan.estimate(CFG, tc, 16, links)
+    tl = plan.Timeline()
     for i in range(8):
-        bench.micro_batch_on(tl, p, 1e11, first=i == 0, last=i == 7)
-    bench.optimizer_on(tl, p, 1e11)
-    t = bench.project(p, 1e11, 100.0)
+        plan.micro_batch_on(tl, p, 1e11, first=i == 0, last=i == 7)
+    plan.optimizer_on(tl, p, 1e11)
+    t = plan.project(p, 1e11, 100.0, steps=1)
     assert t["step_s"] == pytest.approx(tl.compute_end, rel=1e-9)
     assert t["seconds"] == pytest.approx(dict(tl.seconds), rel=1e-9)
     assert t["seconds"]["compute"] < t["step_s"] / 2  # communication-bound: the case where spilling matters
@@ -246,52 +265,159 @@ def test_a_layout_whose_fsdp_groups_cross_a_slow_network_ranks_below_one_that_ke
     """16 GPUs in two nodes of 8 whose network is 10^5 times slower than NVLink: FSDP over all 16 (R=1) gathers
     every block across it, twice per micro-batch; FSDP inside each node with the replicas across (R=2) crosses it
     once a step."""
-    links = bench.Links(per_node=8, intra=100e9, inter=1e6, latency=5e-6)
-    rate, peak = 1e9, 100.0
+    links = plan.Links(per_node=8, intra=100e9, inter=1e6, latency=5e-6)
+    rate = 1e9
+    peak = 100.0
     steps = {}
+    tc = run_config(dtype="bf16", micro_batch=1, global_batch=64)
     for replicas in (1, 2):
-        p = bench.plan(CFG, parallel.Layout(16, replicas, 1), SEQ, 1, 64, links=links)
-        steps[replicas] = bench.project(p, rate, peak)
-    cross, inside = steps[1], steps[2]
+        p = plan.estimate(CFG, dataclasses.replace(tc, dp_replicate=replicas), 16, links)
+        steps[replicas] = plan.project(p, rate, peak, steps=1)
+    cross = steps[1]
+    inside = steps[2]
     assert cross["step_s"] > 2 * inside["step_s"] and cross["mfu"] < inside["mfu"] / 2
-    assert cross["seconds"][f"exposed {bench.AG}"] > 10 * inside["seconds"].get(f"exposed {bench.AG}", 1e-9)
-    best, tried, fit = bench.search(CFG, 16, SEQ, 64, "h100", links, rate)
+    assert cross["seconds"][f"exposed {plan.AG}"] > 10 * inside["seconds"].get(f"exposed {plan.AG}", 1e-9)
+    best, tried, fit = plan.search(CFG, tc, 16, "h100", links, rate)
     assert tried == fit > 5 and len(best) == 5  # a toy model fits an H100 in every layout
-    assert [r["step_s"] for _, r in best] == sorted(r["step_s"] for _, r in best)
+    assert [r["step_s"] for _, _, r in best] == sorted(r["step_s"] for _, _, r in best)
     # The winners gather once a step (one micro-batch of 4, or parameters kept gathered), not 8 times as R=1 does.
-    assert all(r["step_s"] < cross["step_s"] / 2 for _, r in best)
-    assert all(p["accumulation_steps"] == 1 or p["keep_gathered"] for p, _ in best)
-    assert best[0][1]["step_s"] <= inside["step_s"]
-    assert "exposed FSDP all-gather" in bench.why_slower(cross, best[0][1])
+    assert all(r["step_s"] < cross["step_s"] / 2 for _, _, r in best)
+    assert all(p["accumulation_steps"] == 1 or p["keep_gathered"] for _, p, _ in best)
+    assert best[0][2]["step_s"] <= inside["step_s"]
+    assert "exposed FSDP all-gather" in plan.why_slower(cross, best[0][2])
 
 
 def test_seed_search_recommends_layouts_train_py_runs(capsys):
-    code, plan = run_json(capsys, SEED_LAYOUT[:-2] + ["--ac=full", "--json"])
-    out = plan["search"]
+    code, report = run_json(capsys, SEED_LAYOUT[:-2] + ["--ac=full", "--json"])
+    out = report["search"]
     assert code == 0 and len(out["best"]) == 5 and out["fit"] < out["tried"]
     assert all(b["memory_gib_per_gpu"] <= 0.9 * 288 for b in out["best"])
-    assert out["best"][0]["step_seconds"] <= plan["step_seconds"]
+    assert out["best"][0]["step_seconds"] <= report["step_seconds"]
     for b in out["best"]:
         tc, _ = train.parse_args(b["flags"].split() + ["--global_batch=12288", "--seq_len=8192"])  # no error
         assert tc.ep > 0 and tc.ac in ("none", "selective", "full")
 
 
-def test_compute_rate_from_a_saved_bench_result(capsys, tmp_path):
-    saved = tmp_path / "h200.json"
-    saved.write_text("bench: ...\n" + json.dumps({"command": "step", "tflops_per_device": 450.0,
-                                                  "device": "NVIDIA H200"}) + "\n")
-    flags = ["plan", "--preset=tiny", "--gpus=1", "--dp_replicate=1", "--ep=1", "--gpu=h200", "--search=false",
-             "--json"]
-    code, plan = run_json(capsys, flags + [f"--tflops={saved}"])
-    busy = plan["seconds_per_step"]["compute"] / plan["step_seconds"]  # the rest: AdamW at the H200's 4.8 TB/s
-    assert code == 0 and plan["compute_tflops"] == 450.0 and plan["mfu"] == pytest.approx(450 / 989 * busy)
-    assert plan["step_seconds"] - plan["seconds_per_step"]["compute"] == pytest.approx(
-        28 * plan["params_per_gpu"] / 4.8e12)
-    saved.write_text("not json\n")
-    assert bench.main(flags + [f"--tflops={saved}"]) == 2
-    assert "does not end with a bench.py --json result" in capsys.readouterr().err
-    assert bench.main(flags + ["--tflops=nowhere.json"]) == 2
-    assert "neither a number nor a file" in capsys.readouterr().err
+def test_a_measured_compute_rate_replaces_the_mfu_guess(capsys):
+    code, report = run_json(capsys, ["--preset=tiny", "--gpu=h200", "--tflops=450", "--search=false", "--json"])
+    busy = report["seconds_per_step"]["compute"] / report["step_seconds"]  # the rest: AdamW at the H200's 4.8 TB/s
+    assert code == 0 and report["gpus"] == 1 and report["compute_tflops"] == 450.0
+    assert report["mfu"] == pytest.approx(450 / 989 * busy)
+    assert report["step_seconds"] - report["seconds_per_step"]["compute"] == pytest.approx(
+        28 * report["params_per_gpu"] / 4.8e12)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The run train.py makes from the same flags and config file
+
+def readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_the_readme_large_toml_plans_to_the_figures_the_readme_states(capsys, tmp_path):
+    """The README's large.toml, given as --config: its world size, batch, micro-batch, AC, layout and Muon are planned
+    (not plan.py's own defaults), and the README's planning figures are what plan.py prints."""
+    toml = next(block for block in re.findall(r"```toml\n(.*?)```", readme(), re.S) if "# large.toml" in block)
+    (tmp_path / "large.toml").write_text(toml)
+    code, report = run_json(capsys, [f"--config={tmp_path / 'large.toml'}", "--json"])
+    assert code == 0 and report["fits"]
+    assert (report["gpus"], report["dp_replicate"], report["ep"], report["micro_batch"], report["global_batch"],
+            report["seq"], report["ac"], report["optimizer"], report["steps"]) == (
+        2048, 16, 8, 1, 12288, 8192, "full", "muon", 168_000)
+    best = report["search"]["best"][0]
+    failures = report["failures"]
+    stated = [f"{report['memory_gib_per_gpu']:.1f} GiB per GPU", f"a {report['step_seconds']:.1f} s step",
+              f"**{100 * report['mfu']:.1f}% MFU, {report['days']:.1f} days**", f"`{best['flags']}`",
+              f"{best['memory_gib_per_gpu']:.0f} GiB per GPU",
+              f"**{100 * best['mfu']:.1f}% MFU, {best['days']:.1f} days**",
+              f"writes {failures['checkpoint_write_bytes'] / 2**30:.2f} GiB per GPU in "
+              f"{failures['checkpoint_write_s']:.2f} s",
+              f"every {failures['interval_steps']} steps ({failures['interval_s'] / 60:.1f} min)",
+              f"goodput {100 * failures['goodput']['best']['by hand']:.1f}% restarted by hand, "
+              f"{100 * failures['goodput']['best']['elastic']:.1f}% elastic",
+              f"({100 * failures['goodput']['configured']['by hand']:.1f}% and "
+              f"{100 * failures['goodput']['configured']['elastic']:.1f}% at the 30-minute default)"]
+    section = " ".join(readme().split("### Planning a run")[1].split("\n## ")[0].split())  # lines joined
+    assert [s for s in stated if s not in section] == []
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+def test_the_fastest_layout_s_command_trains_what_was_planned(capsys, tmp_path, monkeypatch, with_file):
+    """plan.py's train.py command for the fastest layout, parsed as train.py parses it on as many ranks, is the run
+    planned: the flags and config file plan.py was given (optimizer, model overrides, sequence, batch, the rest), with
+    the fastest layout's flags in place of the given layout's."""
+    given = ["--preset=tiny", *TINY_MODEL_FLAGS, "--optimizer=muon", "--muon_lr=0.01", "--seq_len=64",
+             "--global_batch=64", "--keep_gathered=true", "--data=my data"]
+    if with_file:
+        (tmp_path / "run.toml").write_text('[train]\noptimizer = "muon"\nseq_len = 64\nglobal_batch = 64\n'
+                                           'ac = "selective"\n[model]\nn_layers = 6\n')
+        given = [f"--config={tmp_path / 'run.toml'}", *TINY_MODEL_FLAGS, "--muon_lr=0.01", "--steps=1000"]
+    code, report = run_json(capsys, given + ["--gpus=16", "--gpu=h100", "--json"])
+    words = shlex.split(report["search"]["command"])
+    assert code == 0 and words[0] == "train.py"
+    assert report["micro_batch"] == 64 // 16  # no --micro_batch: each rank's share, as under torchrun on 16 ranks
+    monkeypatch.setenv("WORLD_SIZE", "16")  # as torchrun starts train.py on 16 ranks
+    planned = train.parse_args(given + report["search"]["best"][0]["flags"].split())
+    assert train.parse_args(words[1:]) == planned
+    assert planned[0].optimizer == "muon" and planned[1]["dim"] == 64
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu=b3000"], "invalid choice"),
+    (["--mfu=0"], "argument --mfu: 0 must be above 0 and at most 1"),
+    (["--gpus=abc"], "argument --gpus: invalid int value: 'abc'"),
+    (["--tflops=h200.json"], "argument --tflops: invalid float value: 'h200.json'"),
+    (["--mtbf_hour=3"], "unknown flag --mtbf_hour; did you mean --mtbf_hours?"),
+    (["--learning_rate=1"], "unknown flag --learning_rate; did you mean --lr?"),
+    (["--grad_sync=last"], "unknown flag --grad_sync"),
+    (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
+])
+def test_mistyped_or_out_of_range_flags_are_one_sentence(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert message in str(e.value) + capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Failures
+
+def test_failure_costs_by_hand():
+    p = {"world": 2048, "checkpoint": {"write_bytes": 1e9, "read_bytes": 20e9}}
+    args = argparse.Namespace(mtbf_hours=8192, storage_gbs=2.0, repair_minutes=30, restart_minutes=5)
+    tc = train.TrainConfig(step_timeout=600, ckpt_every=500, ckpt_minutes=30)
+    f = plan.failure_costs(p, tc, 24.0, args)
+    # One failure every 8192 / 2048 = 4 h = 14,400 s. A checkpoint writes 1 GB at 2 GB/s, 0.5 s; Young's interval is
+    # sqrt(2 x 0.5 s x 14,400 s) = 120 s, 5 steps of 24 s.
+    assert f["mtbf_hours_job"] == 4 and f["checkpoint_write_s"] == 0.5 and f["checkpoint_read_s"] == 10
+    assert f["interval_s"] == pytest.approx(120) and f["interval_steps"] == 5
+    # Down per failure: by hand, 30 min to repair, a 5 min restart and the 10 s read; elastic, the 600 s collective
+    # timeout, then two restarts of 310 s (without the node, and again when it returns).
+    assert f["downtime_s"] == {"by hand": 2110, "elastic": 1220}
+    # Lost: 0.5 s each 120 s, and per failure (one each 14,400 s) half an interval of work and the downtime.
+    assert f["goodput"]["best"] == pytest.approx({"by hand": 1 - 0.5 / 120 - (60 + 2110) / 14400,
+                                                  "elastic": 1 - 0.5 / 120 - (60 + 1220) / 14400})
+    # train.py's flags checkpoint every 500 steps (12,000 s) or 30 min, whichever comes first.
+    assert f["configured_interval_s"] == 1800
+    assert f["goodput"]["configured"] == pytest.approx({"by hand": 1 - 0.5 / 1800 - (900 + 2110) / 14400,
+                                                        "elastic": 1 - 0.5 / 1800 - (900 + 1220) / 14400})
+    # Young's interval is the one that loses least.
+    lost = [plan.lost_fraction(120 * x, 0.5, 0, 14400) for x in (0.8, 1, 1.25)]
+    assert lost[1] < lost[0] and lost[1] < lost[2]
+
+
+def test_seed_layout_failures_come_from_its_checkpoint_bytes(capsys):
+    """The seed layout checkpoints its fp32 shards and Muon's and AdamW's state: each GPU writes its 1/16 share of
+    its FSDP group's (the replicas take turns) and reads its whole shard on a restart."""
+    code, report = run_json(capsys, SEED_LAYOUT + ["--ac=full", "--optimizer=muon", "--storage_gbs=1"])
+    state = (report["memory_gib"]["parameters (fp32 master shards)"]
+             + report["memory_gib"]["optimizer (Muon momentum, AdamW m, v; fp32)"]) * 2**30
+    f = report["failures"]
+    assert code == 0 and f["checkpoint_write_bytes"] == pytest.approx(state / 16)
+    assert f["checkpoint_write_s"] == pytest.approx(state / 16 / 1e9)
+    assert f["checkpoint_read_s"] == pytest.approx(state / 1e9) and f["mtbf_hours_job"] == 4
+    assert f["timeout_s"] == 600  # train.py's default --step_timeout
+    assert f["interval_steps"] == round(math.sqrt(2 * state / 16 / 1e9 * 4 * 3600) / report["step_seconds"])
+    assert 0 < f["goodput"]["best"]["by hand"] < f["goodput"]["best"]["elastic"] < 1
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -310,11 +436,10 @@ def test_muon_flops_are_the_newton_schulz_matmuls_a_real_step_runs(one_thread):
     for shape in ((3, 24, 40), (3, 40, 24), (1, 16, 16)):  # wide, tall (turned wide), square
         with FlopCounterMode(display=False) as counter:
             parallel.newton_schulz(torch.randn(shape))
-        assert counter.get_total_flops() == bench.ns_flops(shape), shape
+        assert counter.get_total_flops() == plan.ns_flops(shape), shape
     model = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu"))
     optimizer = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon"), fused=False)
-    work = bench.plan(CFG, parallel.Layout(1), SEQ, MICRO_BATCH, GLOBAL_BATCH, compute_bytes=4,
-                      optimizer="muon")["optimizer"]
+    work = plan.estimate(CFG, run_config(optimizer="muon"), 1)["optimizer"]
     assert work["flops"] == work["critical_flops"] == muon_step_flops(model, optimizer) > 0
 
 
@@ -338,19 +463,25 @@ def test_adamw_moves_28_bytes_per_fp32_parameter_of_the_shard(one_thread):
         p.grad = torch.randn_like(p)
     with FusedAdamWBytes() as counted:
         optimizer.step()
-    p = bench.plan(CFG, parallel.Layout(1), SEQ, MICRO_BATCH, GLOBAL_BATCH, compute_bytes=4)
+    p = plan.estimate(CFG, run_config(), 1)
     # params_per_gpu: the count test_plan_memory_matches_* checks against real FSDP shards
     assert p["optimizer"]["hbm_bytes"] == counted.bytes == 28 * p["params_per_gpu"]
-    assert p["optimizer"]["hbm_s"] == counted.bytes / bench.Links().hbm
+    assert p["optimizer"]["hbm_s"] == counted.bytes / plan.Links().hbm
 
 
 def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
     """large at the seed layout: each GPU orthogonalises its 2 whole experts of each of the 54 MoE layers and 1/128 of
     the dense matrices (attention, dense FFN, shared expert), dealt over its FSDP group of 128."""
     def ns(O, F):  # 5 steps of X Xᵀ (2Q²W), b·A + c·A·A (2Q³), B·X (2Q²W)
-        Q, W = min(O, F), max(O, F)
+        Q = min(O, F)
+        W = max(O, F)
         return 5 * (4 * Q * Q * W + 2 * Q ** 3)
-    D, Hd, Gd, I, Fd, E = 3072, 48 * 128, 8 * 128, 3072, 12288, 256
+    D = 3072            # dim
+    Hd = 48 * 128       # query heads x head_dim
+    Gd = 8 * 128        # key-value heads x head_dim
+    I = 3072            # expert hidden
+    Fd = 12288          # dense FFN hidden
+    E = 256             # routed experts
     attention = ns(Hd, D) * 2 + ns(Gd, D) * 2 + ns(D, Hd)               # q, gate; k, v; o
     dense = 60 * attention + 6 * (2 * ns(Fd, D) + ns(D, Fd)) + 54 * (2 * ns(I, D) + ns(D, I))
     experts = 54 * E // 128 * (ns(2 * I, D) + ns(D, I))                 # gate_up [2I, D], down [D, I]
@@ -363,8 +494,8 @@ def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
     # Dealt by size, not FLOPs: the busiest rank does at most one more matrix (a dense FFN's) than the mean.
     assert mean <= opt["muon_flops_per_gpu"] <= mean + ns(Fd, D)
     parts = muon["seconds_per_step"]
-    assert opt["seconds"] == pytest.approx(parts[bench.NS] + parts[bench.MUON_A2A] + parts[bench.OPT_HBM])
-    assert parts[bench.NS] == pytest.approx(opt["muon_flops_per_gpu"] / 900e12, rel=0.01)  # at 40% of 2250 TFLOP/s
+    assert opt["seconds"] == pytest.approx(parts[plan.NS] + parts[plan.MUON_A2A] + parts[plan.OPT_HBM])
+    assert parts[plan.NS] == pytest.approx(opt["muon_flops_per_gpu"] / 900e12, rel=0.01)  # at 40% of 2250 TFLOP/s
     # AdamW streams 28 bytes per fp32 parameter of the GPU's shard at 8 TB/s; the step and the run grow by it.
     assert adamw["optimizer_step"]["hbm_bytes_per_gpu"] == 28 * adamw["params_per_gpu"]
     assert adamw["optimizer_step"]["seconds"] == pytest.approx(28 * adamw["params_per_gpu"] / 8e12)
@@ -379,8 +510,8 @@ def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
 # ------------------------------------------------------------------------------------------------------------------
 # Bytes on the wire: the planner's against the collectives of real train steps (4 gloo ranks)
 
-KINDS = {"c10d._allgather_base_": bench.AG, "c10d._reduce_scatter_base_": bench.RS, "c10d.allreduce_": bench.AR,
-         "_c10d_functional.all_to_all_single": bench.A2A, "c10d.alltoall_base_": bench.MUON_A2A}
+KINDS = {"c10d._allgather_base_": plan.AG, "c10d._reduce_scatter_base_": plan.RS, "c10d.allreduce_": plan.AR,
+         "_c10d_functional.all_to_all_single": plan.A2A, "c10d.alltoall_base_": plan.MUON_A2A}
 
 
 def group_ranks(args) -> list[int]:
@@ -404,19 +535,20 @@ class Collectives(TorchDispatchMode):
 
     def __init__(self, replicas: list[int]):
         super().__init__()
-        self.replicas, self.sent = replicas, defaultdict(float)
+        self.replicas = replicas
+        self.sent = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = KINDS.get(str(func).rsplit(".", 1)[0])
         if kind is not None:
             n = len(group_ranks(args))
-            if kind == bench.AG:
+            if kind == plan.AG:
                 self.sent[kind] += args[0].nbytes * (n - 1) / n
-            elif kind == bench.RS:
+            elif kind == plan.RS:
                 self.sent[kind] += args[1].nbytes * (n - 1) / n
-            elif kind == bench.A2A:
+            elif kind == plan.A2A:
                 self.sent[kind] += args[0].nbytes * (n - 1) / n
-            elif kind == bench.MUON_A2A:  # (output, input, group, output splits, input splits)
+            elif kind == plan.MUON_A2A:  # (output, input, group, output splits, input splits)
                 own = args[4][group_ranks(args).index(dist.get_rank())]
                 self.sent[kind] += (sum(args[4]) - own) * args[1].element_size()
             elif group_ranks(args) == self.replicas and n > 1:
@@ -425,7 +557,8 @@ class Collectives(TorchDispatchMode):
 
 
 TRAFFIC_RUNS = [(1, False), (1, True), (2, False), (2, True)]  # (dp_replicate, --keep_gathered), all with ep=2
-TRAFFIC_BATCH, TRAFFIC_MICRO = 16, 2  # two micro-batches per rank
+TRAFFIC_BATCH = 16
+TRAFFIC_MICRO = 2  # two micro-batches per rank
 
 
 def traffic_worker(out: Path):
@@ -455,6 +588,7 @@ def traffic_worker(out: Path):
                                                               for a, b in zip(weights, default))
         else:
             report[f"{replicas},{keep}"]["weights"] = weights
+            checkpoint.save(str(out / f"ckpt{replicas}"), 1, {"model": model, "optim": optimizer}, {})
     report["muon"] = muon_step_counted(world, device)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
@@ -466,7 +600,9 @@ def muon_step_counted(world: int, device) -> dict:
     tc = train.TrainConfig(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, seq_len=SEQ, optimizer="muon")
     model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
     optimizer = parallel.build_optimizer(model, tc, fused=False)
-    counter, flops, step = Collectives([]), FlopCounterMode(display=False), optimizer.step
+    counter = Collectives([])
+    flops = FlopCounterMode(display=False)
+    step = optimizer.step
 
     def counted_step():
         with flops, counter:
@@ -475,7 +611,21 @@ def muon_step_counted(world: int, device) -> dict:
     batch = bench.synthetic_batch(CFG.vocab_size, TRAFFIC_BATCH, SEQ, dist.get_rank(), world, 0)
     train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), train.TrainState.fresh(
         model, torch.device("cpu")))
-    return {"flops": flops.get_total_flops(), "sent": counter.sent[bench.MUON_A2A]}
+    return {"flops": flops.get_total_flops(), "sent": counter.sent[plan.MUON_A2A]}
+
+
+def tensor_bytes_by_file(path: Path) -> dict:
+    """{file: tensor bytes it holds} of a DCP checkpoint, read from its metadata (the file format's own bytes aside)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    metadata = FileSystemReader(str(path)).read_metadata()
+    held = defaultdict(int)
+    for index, where in metadata.storage_data.items():
+        tensor = metadata.state_dict_metadata[index.fqn]
+        if isinstance(tensor, TensorStorageMetadata):
+            chunk = next(c for c in tensor.chunks if c.offsets == index.offset)
+            held[where.relative_path] += math.prod(chunk.sizes) * tensor.properties.dtype.itemsize
+    return dict(held)
 
 
 def test_planned_bytes_are_the_bytes_the_collectives_move_and_keep_gathered_trains_alike(tmp_path):
@@ -483,25 +633,32 @@ def test_planned_bytes_are_the_bytes_the_collectives_move_and_keep_gathered_trai
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     for replicas, keep in TRAFFIC_RUNS:
         runs = [report[f"{replicas},{keep}"] for report in reports]
-        predicted = bench.plan(CFG, parallel.Layout(4, replicas, 2), SEQ, TRAFFIC_MICRO, TRAFFIC_BATCH,
-                               compute_bytes=4, keep_gathered=keep)["traffic_bytes_per_step"]
+        tc = run_config(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, dp_replicate=replicas, ep=2,
+                        keep_gathered=keep)
+        predicted = plan.estimate(CFG, tc, 4)["traffic_bytes_per_step"]
         assert {k for k, v in predicted.items() if v} == set(runs[0]["sent"])
         for rank, run in enumerate(runs):
-            for kind in (bench.AG, bench.RS, bench.AR):
+            for kind in (plan.AG, plan.RS, plan.AR):
                 assert run["sent"].get(kind, 0.0) == pytest.approx(predicted[kind], rel=1e-12), (rank, kind)
             # A rank sends back the results of the tokens it received, which routing makes uneven; the planner
             # assumes balance, which holds on average: an EP group receives what it sends.
-            assert run["sent"][bench.A2A] == pytest.approx(predicted[bench.A2A], rel=0.1), rank
-        mean = sum(run["sent"][bench.A2A] for run in runs) / 4
-        assert mean == pytest.approx(predicted[bench.A2A], rel=1e-12)
+            assert run["sent"][plan.A2A] == pytest.approx(predicted[plan.A2A], rel=0.1), rank
+        mean = sum(run["sent"][plan.A2A] for run in runs) / 4
+        assert mean == pytest.approx(predicted[plan.A2A], rel=1e-12)
+        if not keep:  # a checkpoint: each rank writes its shards' share, the replicas taking turns
+            planned = plan.estimate(CFG, tc, 4)["checkpoint"]
+            held = tensor_bytes_by_file(tmp_path / f"ckpt{replicas}" / "step_00000001")
+            assert held == pytest.approx({f"__{r}_0.distcp": planned["write_bytes"] for r in range(4)}, rel=1e-3)
+            # A restart reads a replica's shards back whole: the checkpoint over its dp_shard ranks.
+            assert sum(held.values()) / (4 // replicas) == pytest.approx(planned["read_bytes"], rel=1e-3)
         if keep:  # fewer all-gathers, the same training
             default = [report[f"{replicas},False"] for report in reports]
             for run, base in zip(runs, default):
-                assert run["sent"][bench.AG] < base["sent"][bench.AG] / 2
+                assert run["sent"][plan.AG] < base["sent"][plan.AG] / 2
                 assert run["losses"] == base["losses"] and run["weight_diff"] == 0.0
     # Muon: each rank's Newton-Schulz FLOPs exactly (the planner deals the dense matrices as parallel.Muon does).
-    muon = bench.plan(CFG, parallel.Layout(4, 1, 2), SEQ, TRAFFIC_MICRO, TRAFFIC_BATCH, compute_bytes=4,
-                      optimizer="muon")["optimizer"]
+    tc = run_config(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, ep=2, optimizer="muon")
+    muon = plan.estimate(CFG, tc, 4)["optimizer"]
     assert [report["muon"]["flops"] for report in reports] == muon["flops_by_rank"]
     # A rank sends its rows of the matrices others own, then the whole of its own but its rows: uneven with what it
     # owns; the planner's bytes are the mean.

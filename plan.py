@@ -1,0 +1,824 @@
+"""
+Plan a run before it starts: memory per GPU, bytes per collective, step time, MFU and days for a model on a GPU
+layout, the fastest layouts that fit, and the time failures will cost. Arithmetic on a meta-device model: nothing is
+allocated and no GPU is needed. plan.py reads train.py's flags and config files as train.py does (train.parse_args),
+so it plans the run train.py would make; its own flags say only what training does not know. Training never
+imports it.
+
+    python plan.py --config=large.toml --gpu=b300       # the run large.toml describes, on its world_size GPUs
+    python plan.py --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq_len=8192 --global_batch=12288 \
+        --micro_batch=1 --ac=full --optimizer=muon --steps=168000   # the same run from flags
+    python plan.py --config=large.toml --net_gbs=50 --tflops=450          # another network; a measured compute rate
+    python plan.py --config=large.toml --mtbf_hours=4096 --storage_gbs=1  # more failures, slower storage
+    python plan.py --help
+
+`--json` prints the result as one JSON object on the last line. Exit 1: the plan does not fit the GPU; exit 2: a
+layout or value train.py would refuse.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import itertools
+import json
+import math
+import os
+import shlex
+import sys
+from collections import Counter, defaultdict
+from unittest import mock
+
+import torch
+
+import checkpoint
+import parallel
+import train
+from model import PRESETS, MoE, RMSNorm, head_chunks, meta_model
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPUs, and the memory a layout needs
+
+# Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
+# (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
+GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50, 3.35),   # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
+        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50, 4.8),   # NVLink 4, 400 Gb/s NIC
+        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50, 8.0),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
+        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100, 8.0)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
+FIT_FRACTION = 0.9  # 10% left for the CUDA context, NCCL buffers, fragmentation, EP load imbalance
+AG = "FSDP all-gather"
+RS = "FSDP reduce-scatter"
+AR = "HSDP all-reduce across replicas"
+A2A = "EP all-to-all"
+MUON_A2A = "Muon all-to-all"
+NS = "optimizer Newton-Schulz"
+OPT_HBM = "optimizer memory passes"
+# HBM bytes per fp32 element of one optimizer step. Fused AdamW reads param, grad, m, v and writes param, m, v: 7 x 4.
+ADAMW_BYTES = 28
+# Muon: momentum (read buf, grad; write buf), Nesterov (read grad, buf; write u), weight decay (read, write param),
+# the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
+MUON_BYTES = 44
+# The train.py flags a layout is made of (and --keep_gathered): the search varies them; its commands state them.
+LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
+
+
+def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
+    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": plus the largest transient
+    (the head's chunk at the loss, or a block AC re-materialises)}; c bytes per element, flash attention, balanced
+    routing. Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
+    D = cfg.dim
+    H = cfg.n_heads
+    G = cfg.n_kv_heads
+    V = cfg.vocab_size
+    E = cfg.n_experts
+    K = cfg.top_k
+    I = cfg.expert_hidden
+    Is = cfg.expert_hidden * cfg.n_shared_experts
+    Hd = H * cfg.head_dim
+    Gd = G * cfg.head_dim
+    # Per token. Attention: its input, q/k/v/gate, fp32 q/k norm scales, normed q, k, v, the output and its fp32
+    # log-sum-exp, the output reshaped, sigmoid(gate) and their product (o_proj's input).
+    attn = c * D + c * (Hd + Gd) + 4 * (H + G) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
+    attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
+    # Router: its fp32 input (c = 4: the FFN input), fp32 logits and scores. Per routed pair: the gathered input,
+    # gate_up output (2I), silu output, product, product x gate, fp32 gate, two int64 indices. A SwiGLU: 4c per unit.
+    experts = (4 * D if c == 2 else 0) + 8 * E + K * (c * (D + 5 * I) + 20) + 4 * c * Is
+    experts_sel = 4 * E + K * c * (2 * I + D) + c * (2 * Is + D) + (2 * K * c * D if ep > 1 else 0)
+    # A block: four RMSNorm inputs (and an fp32 scale per row), the FFN input, attention, the FFN.
+    full_layer = [4 * (c * D + 4) + c * D + attn + (experts if cfg.is_moe(i) else 4 * c * cfg.dense_hidden)
+                  for i in range(cfg.n_layers)]
+    sel_layer = [c * D + attn_sel + (experts_sel if cfg.is_moe(i) else c * (2 * cfg.dense_hidden + D))
+                 for i in range(cfg.n_layers)]
+    tokens = micro_batch * seq
+    head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
+    # At the loss: a chunk of R rows of fp32 logits; in bf16 instead its bf16 logits, the gradient of a group of Rg
+    # rows, the weight's bf16 copy and the group's product for the weight gradient.
+    R, Rg = head_chunks(tokens, V, torch.device("cuda"))
+    head_transient = 4 * R * V if c == 4 else c * (R + Rg) * V + 2 * c * V * D
+    saved = {"none": sum(full_layer) + head, "selective": sum(sel_layer) + head,
+             "full": cfg.n_layers * c * D + head}
+    kept = {mode: tokens * saved[mode] + 4 * V * D for mode in parallel.AC_MODES}  # + the head weight's fp32 gradient
+    return {mode: {"saved": kept[mode], "peak": kept[mode] + max(head_transient, 0 if mode == "none" else
+                                                                    tokens * max(full_layer))}
+            for mode in parallel.AC_MODES}
+
+
+@functools.lru_cache(maxsize=None)
+def shard(unit: tuple, shards: int) -> int:
+    """Elements of one rank's shard of an FSDP unit (parameter shapes); FSDP2 pads dim 0 to the shard count."""
+    return sum(-(-shape[0] // shards) * math.prod(shape[1:]) for shape in unit)
+
+
+def shapes(params) -> tuple:
+    """The parameters' shapes, as a key for the caches below."""
+    return tuple(tuple(p.shape) for p in params)
+
+
+_FACTS = {}  # by repr(cfg): one meta-device model per config
+
+
+def model_facts(cfg) -> dict:
+    """From a meta-device model: each FSDP unit's parameter shapes, each block's matmul FLOPs per token, counts."""
+    if repr(cfg) in _FACTS:
+        return _FACTS[repr(cfg)]
+    model = meta_model(cfg)
+    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    share = cfg.top_k / cfg.n_experts  # a token passes through k of the E routed experts
+    blocks = list(model.layers.values())
+    muon = parallel.build_optimizer(model, train.TrainConfig(optimizer="muon"), fused=False)
+    _FACTS[repr(cfg)] = {
+        # Muon's 2-D matrices in its order (FSDP shards them by rows); the 3-D ones are the routed experts
+        "muon_dense": shapes(p for g in muon.param_groups if g["muon"] for p in g["params"] if p.dim() == 2),
+        "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
+        "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
+        "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
+                    for b in blocks],
+        # 6 FLOPs per weight a token touches: forward 2, backward 4
+        "block_flops": [6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
+                                for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
+        "params": model.num_params(), "flops_per_token": functools.lru_cache(model.flops_per_token)}
+    return _FACTS[repr(cfg)]
+
+
+def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool,
+                muon_elements: int | None = None) -> dict:
+    """Bytes per GPU of fp32 shards, optimizer state (AdamW's m, v; Muon's one momentum for its `muon_elements`) and
+    FSDP's buffers; `full`: each unit's unsharded elements."""
+    memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
+    if muon_elements is None:
+        memory["optimizer (AdamW m, v in fp32)"] = 8 * params
+    else:
+        memory["optimizer (Muon momentum, AdamW m, v; fp32)"] = 8 * params - 4 * muon_elements
+    if world == 1:
+        return memory
+    every = full["root"] + sum(full["blocks"]) + sum(full["experts"])
+    largest = max(full["blocks"] + full["experts"])
+    if keep_gathered:
+        memory["every unit gathered (compute copies)"] = c * every
+    else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
+        memory["FSDP all-gather buffers (compute copies)"] = c * (full["root"] + 2 * largest)
+    # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter (train.py
+    # reduce-scatters every micro-batch, so no unsharded gradients are held between them).
+    memory["FSDP reduce-scatter buffers"] = (c + 4) * max(full["root"], largest)
+    return memory
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Links and collectives
+
+@dataclasses.dataclass
+class Links:
+    """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter`
+    (one NIC per GPU); `latency` seconds per step of a collective; `hbm` bytes/s of each GPU's own memory."""
+    per_node: int = 8
+    intra: float = 900e9
+    inter: float = 100e9
+    latency: float = 5e-6
+    hbm: float = 8e12
+
+    def span(self, stride: int, size: int) -> tuple[int, int]:
+        """(ranks per node, nodes) of `size` ranks `stride` apart (build_mesh's order: [dp_replicate, efsdp, ep])."""
+        nodes = len({i * stride // self.per_node for i in range(size)})
+        return size // nodes, nodes
+
+    def ring_s(self, nbytes: float, group: tuple[int, int]) -> float:
+        """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
+        node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
+        k, m = group
+        s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
+        return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
+
+    def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
+        """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
+        if kind == A2A:
+            return self.all_to_all_s(nbytes, group)
+        return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
+
+    def all_to_all_s(self, nbytes: float, group: tuple[int, int]) -> float:
+        """Each rank sends `nbytes` over n = km ranks: (k-1)/n over NVLink while (n-k)/n crosses the network."""
+        k, m = group
+        n = k * m
+        return max(nbytes * (k - 1) / n / self.intra, nbytes * (n - k) / n / self.inter) + (n - 1) * self.latency
+
+
+def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float, float]:
+    """(bytes a GPU sends, of which over the network) in one collective (an all-reduce: twice a ring's)."""
+    k, m = group
+    n = k * m
+    if kind == A2A:
+        return nbytes * (n - 1) / n, nbytes * (n - k) / n
+    twice = 2 if kind == AR else 1
+    return twice * nbytes * (n - 1) / n, twice * nbytes * (m - 1) / n
+
+
+def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c: int, tokens: int, full: int,
+                     expert_full: int) -> dict:
+    """One FSDP unit's collectives (kind, buffer bytes, (ranks per node, nodes)) by part of the step, and their
+    seconds (part_s); `full`, `expert_full`: its unsharded dense and routed-expert elements."""
+    moe = expert_full > 0
+    # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
+    pairs = tokens * cfg.top_k
+    a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
+    comm = {"gather": [(AG, c * full, groups["dp_shard"])] + ([(AG, c * expert_full, groups["efsdp"])] if moe else []),
+            "reduce": [(RS, 4 * full, groups["dp_shard"])] + ([(RS, 4 * expert_full, groups["efsdp"])] if moe else []),
+            "all_reduce": [(AR, 4 * full // layout.dp_shard, groups["dp_replicate"])]
+                          + ([(AR, 4 * expert_full // layout.efsdp, groups["dp_replicate"])] if moe else []),
+            "a2a_fwd": [(A2A, b, groups["ep"]) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
+            "a2a_bwd": [(A2A, b, groups["ep"]) for b in a2a]}
+    return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The optimizer step
+
+@functools.lru_cache(maxsize=None)
+def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
+    """parallel.newton_schulz's matmul FLOPs on [..., O, F] turned Q x W (min, max) wide; per step A = X Xᵀ 2Q²W,
+    B = b·A + c·A·A 2Q³, X = a·X + B·X 2Q²W."""
+    *stack, O, F = shape
+    Q = min(O, F)
+    W = max(O, F)
+    return math.prod(stack) * steps * (4 * Q * Q * W + 2 * Q ** 3)
+
+
+@functools.lru_cache(maxsize=None)
+def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
+    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
+    (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
+    owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
+    rounds = max(map(len, owned))
+    return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
+
+
+def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
+    """parallel.Muon on an FSDP group: dense matrices dealt over its S ranks, each gathered whole on its owner by an
+    all-to-all and sent back, one a round; expert shards where they live. Newton-Schulz FLOPs (per rank, critical
+    path), all-to-all bytes a rank sends (sent, over the network) and seconds, elements updated on the busiest rank."""
+    S = layout.dp_shard
+    Fs = layout.efsdp
+    dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
+    L = next((u[0][0] for u in experts if u), 0)  # routed experts per EP rank
+    per_expert = sum(ns_flops(s[1:]) for u in experts for s in u)
+    chunk = -(-L // Fs)  # expert-FSDP rank j holds experts j*chunk .. (torch.chunk)
+    by_efsdp = [per_expert * max(0, min(chunk, L - j * chunk)) for j in range(Fs)]
+    flops = [dense[r] + by_efsdp[r // layout.ep] for r in range(S)]
+    nbytes = c * shard(hidden, S)  # the rows a rank holds go out, the rows it owns come back
+    return {"flops_by_rank": flops, "flops": max(flops), "flops_mean": sum(flops) / S,
+            "critical_flops": max(by_efsdp) + dense_critical,
+            "a2a_bytes": [2 * b for b in sent_bytes(nbytes, group, A2A)],
+            "a2a_s": 2 * rounds * links.all_to_all_s(nbytes / rounds, group) if rounds else 0.0,
+            "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The plan of one layout
+
+def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None, detail: bool = True) -> dict:
+    """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
+    optimizer's work and a checkpoint's bytes for training `cfg` as train.py does with `tc` on `world` ranks: dense
+    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32.
+    detail=False: the memory only."""
+    layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+    layout.check(cfg, tc.global_batch, tc.micro_batch)
+    facts = model_facts(cfg)
+    links = links or Links()
+    c = 4 if tc.dtype == "fp32" else 2
+    S = layout.dp_shard
+    Fs = layout.efsdp
+    experts = [tuple((cfg.n_experts // layout.ep, *s[1:]) for s in unit) for unit in facts["experts"]]
+    params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
+    # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
+    full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
+            "experts": [Fs * shard(u, Fs) for u in experts]}
+    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(layout.ep, Fs),
+              "dp_replicate": links.span(S, layout.dp_replicate), "ep": links.span(1, layout.ep)}
+    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) \
+        if tc.optimizer == "muon" else None
+    memory = fsdp_memory(world, params, full, c, tc.keep_gathered, muon and muon["elements"])
+    # What a checkpoint holds: the fp32 shards and the optimizer state, not the gradients
+    checkpointed = sum(v for k, v in memory.items() if k.startswith(("parameters", "optimizer")))
+    acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep)
+    memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
+    if not detail:
+        return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
+    p = {"world": world, "dp_replicate": layout.dp_replicate, "dp_shard": S, "efsdp": Fs, "ep": layout.ep,
+         "accumulation_steps": layout.accumulation_steps(tc.global_batch, tc.micro_batch),
+         "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac, "keep_gathered": tc.keep_gathered,
+         "params_total": facts["params"]["total"], "params_active": facts["params"]["active"],
+         "params_per_gpu": params, "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
+         "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES}, "groups": groups,
+         # DCP writes each replicated shard once, the writes spread over the replicas; a restart reads it whole
+         "checkpoint": {"write_bytes": checkpointed / layout.dp_replicate, "read_bytes": checkpointed}}
+    return p | step_work(cfg, p, facts, full, links, c, muon)
+
+
+def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
+    """Plan `p`'s FLOPs per token by unit, its collectives by unit and their bytes per optimizer step, and the
+    optimizer step's work."""
+    layout = parallel.Layout(p["world"], p["dp_replicate"], p["ep"])
+    accum = p["accumulation_steps"]
+    tokens = p["micro_batch"] * p["seq"]
+    root = (full["root"], 0)
+    blocks = list(zip(full["blocks"], full["experts"]))
+    made = {key: unit_collectives(cfg, layout, links, p["groups"], c, tokens, *key)
+            for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
+    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
+    units = [{**made[root], "flops": 0}] + [
+        {**made[key], "flops": flops + attn_flops * (p["seq"] if cfg.is_global(i) else min(cfg.window, p["seq"]))}
+        for i, (key, flops) in enumerate(zip(blocks, facts["block_flops"]))]
+    model_flops = facts["flops_per_token"](p["seq"])
+    # How often each part runs in one optimizer step; each kind of unit counted once, times its number.
+    gathers = 1 if p["keep_gathered"] else accum
+    times = {"gather": gathers + (0 if p["keep_gathered"] else accum), "reduce": accum, "all_reduce": 1,
+             "a2a_fwd": accum * (2 if p["ac"] == "full" else 1),  # full AC repeats them in backward
+             "a2a_bwd": accum}
+    traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
+    for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
+        for part, n in times.items():
+            n = gathers if is_root and part == "gather" else n  # FSDP2 keeps the root gathered for backward
+            for kind, nbytes, group in made[key][part]:
+                for side, b in enumerate(sent_bytes(nbytes, group, kind)):
+                    traffic[kind][side] += uses * n * b
+    step = muon or {"elements": 0}
+    step["hbm_bytes"] = ADAMW_BYTES * (p["params_per_gpu"] - step["elements"]) + MUON_BYTES * step["elements"]
+    step["hbm_s"] = step["hbm_bytes"] / links.hbm
+    if muon and muon["a2a_bytes"][0]:
+        traffic[MUON_A2A] = muon["a2a_bytes"]
+    return {"flops_per_token": model_flops, "units": units,
+            "head_flops_per_token": model_flops - sum(u["flops"] for u in units),  # the output head's matmuls
+            "traffic_bytes_per_step": {k: v[0] for k, v in traffic.items()},
+            "network_bytes_per_step": {k: v[1] for k, v in traffic.items()},
+            "optimizer": {"name": "muon" if muon else "adamw", **step}}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Time: one GPU's step on a timeline of compute and links
+
+class Timeline:
+    """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
+    queue for every FSDP collective); `seconds` counts, by kind, the time compute waits for the links."""
+
+    def __init__(self):
+        self.compute_end = 0.0
+        self.link_end = 0.0
+        self.busy = []                      # (start, end, kind) on the links, in order
+        self.first_busy = 0                 # the first of them not yet over when compute last ended
+        self.seconds = defaultdict(float)   # compute and EP all-to-all time, and exposed waits by kind
+        self.link_s = defaultdict(float)    # link time by kind
+
+    def comm(self, kind: str, seconds: float, ready: float) -> float:
+        start = max(self.link_end, ready)
+        self.link_end = start + seconds
+        self.busy.append((start, self.link_end, kind))
+        self.link_s[kind] += seconds
+        return self.link_end
+
+    def compute(self, seconds: float, ready: float = 0.0, kind: str = "compute") -> float:
+        start = max(self.compute_end, ready)
+        # The wait, charged to the collectives the links are busy with meanwhile.
+        while self.first_busy < len(self.busy) and self.busy[self.first_busy][1] <= self.compute_end:
+            self.first_busy += 1
+        for s, e, k in self.busy[self.first_busy:]:
+            if s >= start:
+                break
+            self.seconds[f"exposed {k}"] += min(e, start) - max(s, self.compute_end)
+        self.compute_end = start + seconds
+        self.seconds[kind] += seconds
+        return start
+
+    def in_line(self, kind: str, seconds: float):
+        """Work on the compute stream, if any; an all-to-all there (experts wait for their tokens) is link time too."""
+        if seconds:
+            self.compute(seconds, kind=kind)
+            if kind in (A2A, MUON_A2A):
+                self.link_s[kind] += seconds
+
+
+def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
+    """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
+    backward from the last block, re-gathered one ahead (unless kept), its gradients reduce-scattered (on the last
+    micro-batch also all-reduced across replicas) as soon as its backward ends."""
+    tokens = p["micro_batch"] * p["seq"]
+    units = p["units"]
+    gather = first or not p["keep_gathered"]
+    regather = not p["keep_gathered"]
+    recompute = 2 if p["ac"] == "full" else 1  # full AC runs each block's forward again in backward
+    ready = [tl.comm(AG, units[0]["gather_s"], tl.compute_end) if gather else 0.0] + [0.0] * (len(units) - 1)
+    for j, u in enumerate(units):
+        start = tl.compute(u["flops"] / 3 * tokens / flops_s, ready[j])
+        if gather and j + 1 < len(units):
+            ready[j + 1] = tl.comm(AG, units[j + 1]["gather_s"], start)
+        tl.in_line(A2A, u["a2a_fwd_s"])
+    tl.compute(p["head_flops_per_token"] * tokens / flops_s)  # the fused loss makes the head's gradients too
+    blocks = units[:0:-1]
+    ready = [tl.comm(AG, blocks[0]["gather_s"], tl.compute_end) if regather else 0.0] + [0.0] * len(blocks)
+    for j, u in enumerate(blocks + [units[0]]):
+        if u is not units[0]:
+            start = tl.compute(u["flops"] / 3 * (1 + recompute) * tokens / flops_s, ready[j])
+            if regather and j + 1 < len(blocks):
+                ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
+            tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
+        tl.comm(RS, u["reduce_s"], tl.compute_end)
+        if last and p["dp_replicate"] > 1:
+            tl.comm(AR, u["all_reduce_s"], tl.compute_end)
+
+
+def optimizer_on(tl: Timeline, p: dict, flops_s: float):
+    """The optimizer step once the last reductions are in: Newton-Schulz and its all-to-alls (Muon), then the
+    elementwise passes at HBM speed."""
+    tl.compute(0.0, tl.link_end)
+    o = p["optimizer"]
+    for kind, seconds in ((NS, o.get("critical_flops", 0) / flops_s), (MUON_A2A, o.get("a2a_s", 0.0)),
+                          (OPT_HBM, o["hbm_s"])):
+        tl.in_line(kind, seconds)
+
+
+def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
+    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated for the others) and the last micro-batch on a
+    timeline; step seconds, compute and exposed waits and link time by kind, tokens/s per GPU, MFU, days for
+    `steps` optimizer steps."""
+    tl = Timeline()
+    accum = p["accumulation_steps"]
+    marks = []
+    for i in range(min(accum, 3)):
+        micro_batch_on(tl, p, flops_s, first=i == 0, last=i == min(accum, 3) - 1)
+        marks.append((tl.compute_end, dict(tl.seconds), dict(tl.link_s)))
+    optimizer_on(tl, p, flops_s)
+    step_s = tl.compute_end
+    seconds = dict(tl.seconds)
+    link_s = dict(tl.link_s)
+    if accum > 3:  # the middle micro-batches repeat the second one
+        more = accum - 3
+        step_s += more * (marks[1][0] - marks[0][0])
+        for total, now, before in ((seconds, marks[1][1], marks[0][1]), (link_s, marks[1][2], marks[0][2])):
+            for k in now:
+                total[k] = total.get(k, 0.0) + more * (now[k] - before.get(k, 0.0))
+    tokens = accum * p["micro_batch"] * p["seq"]  # per GPU per step
+    mfu = p["flops_per_token"] * tokens / step_s / (peak_tflops * 1e12)
+    return {"step_s": step_s, "seconds": seconds, "link_s": link_s, "tokens_per_s_per_gpu": tokens / step_s,
+            "mfu": mfu, "days": steps * step_s / 86400,
+            "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The fastest layouts that fit, as train.py commands
+
+def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops_s: float, top: int = 5):
+    """The `top` fastest layouts of `tc` on `world` GPUs that fit, each (TrainConfig, plan, projection): replicas,
+    ep, micro-batch, AC and --keep_gathered varied; everything else as `tc` says. Also the numbers tried and fit."""
+    peak, mem_gib = GPUS[gpu][:2]
+    found = []
+    tried = 0
+    moe = cfg.n_dense_layers < cfg.n_layers
+    for R in parallel._divisors(world):
+        eps = [e for e in parallel._divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
+        micro_batches = parallel._divisors(tc.global_batch // world)
+        for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
+            tried += 1
+            candidate = dataclasses.replace(tc, dp_replicate=R, ep=ep, micro_batch=micro, ac=ac, keep_gathered=keep)
+            if estimate(cfg, candidate, world, links, detail=False)["memory_total_bytes"] <= \
+                    FIT_FRACTION * mem_gib * 2**30:
+                p = estimate(cfg, candidate, world, links)
+                found.append((candidate, p, project(p, flops_s, peak, tc.steps)))
+    found.sort(key=lambda f: (f[2]["step_s"], f[1]["memory_total_bytes"]))
+    return found[:top], tried, len(found)
+
+
+def flag(name: str, value) -> str:
+    """--name=value as train.py's parser reads it back."""
+    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def layout_flags(tc: train.TrainConfig) -> str:
+    return " ".join(flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS) + (" --keep_gathered=true"
+                                                                                if tc.keep_gathered else "")
+
+
+def train_command(tc: train.TrainConfig, overrides: dict, config: str, world: int) -> str:
+    """The train.py command line that trains `tc` with `overrides` on `world` ranks: the config file, the layout, then
+    every other value that differs from what the file (or, without one, train.py's defaults) gives."""
+    base = [f"--config={config}"] if config else []
+    base_tc, base_overrides = train_args(base, world)
+    flags = base + [flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS]
+    flags += [flag(f.name, getattr(tc, f.name)) for f in dataclasses.fields(tc)
+              if f.name not in LAYOUT_FLAGS and getattr(tc, f.name) != getattr(base_tc, f.name)]
+    flags += [flag(name, value) for name, value in overrides.items() if base_overrides.get(name) != value]
+    return " ".join(["train.py"] + [shlex.quote(f) for f in flags])
+
+
+def why_slower(t: dict, best: dict) -> str:
+    """The part of the step that grew most against the best layout's."""
+    if t["step_s"] <= 1.005 * best["step_s"]:
+        return "ties with the fastest (within 0.5%)"
+    worst = max(set(t["seconds"]) | set(best["seconds"]),
+                key=lambda k: t["seconds"].get(k, 0.0) - best["seconds"].get(k, 0.0))
+    return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Failures: the time they cost, and the checkpoint interval that loses least
+
+def lost_fraction(interval_s: float, checkpoint_s: float, down_s: float, mtbf_s: float) -> float:
+    """The expected fraction of wall time lost, to first order in (interval, downtime) / MTBF: one checkpoint's cost
+    per interval, and per failure the work since the newest checkpoint (half an interval on average) and the time
+    the job is down."""
+    return checkpoint_s / interval_s + (interval_s / 2 + down_s) / mtbf_s
+
+
+def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
+    """Goodput (1 - lost fraction) of plan `p` under failures, restarted by hand and elastic with spare nodes, at
+    Young's interval sqrt(2 x checkpoint cost x MTBF of the job) and at the one train.py's flags give."""
+    mtbf_s = args.mtbf_hours * 3600 / p["world"]  # failures are independent: the job fails `world` times as often
+    write_s = p["checkpoint"]["write_bytes"] / (args.storage_gbs * 1e9)
+    read_s = p["checkpoint"]["read_bytes"] / (args.storage_gbs * 1e9)
+    restart_s = args.restart_minutes * 60 + read_s
+    timeout_s = max(60, tc.step_timeout or 1800)  # train.py's collective timeout: survivors see a lost peer by then
+    down_s = {"by hand": args.repair_minutes * 60 + restart_s,
+              # the survivors restart without the node at once; its return is a second, planned restart
+              "elastic": timeout_s + 2 * restart_s}
+    best_s = math.sqrt(2 * write_s * mtbf_s)
+    periods = [s for s in (tc.ckpt_every * step_s, tc.ckpt_minutes * 60) if s > 0]
+    configured_s = min(periods) if periods else math.inf  # no periodic checkpoint: a failure loses the whole run
+    goodput = {}
+    for name, interval in (("best", best_s), ("configured", configured_s)):
+        goodput[name] = {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s))
+                         for way, down in down_s.items()}
+    return {"mtbf_hours_per_gpu": args.mtbf_hours, "mtbf_hours_job": mtbf_s / 3600,
+            "checkpoint_write_bytes": p["checkpoint"]["write_bytes"], "checkpoint_write_s": write_s,
+            "checkpoint_read_bytes": p["checkpoint"]["read_bytes"], "checkpoint_read_s": read_s, "timeout_s": timeout_s,
+            "downtime_s": down_s, "interval_s": best_s, "interval_steps": max(1, round(best_s / step_s)),
+            "configured_interval_s": configured_s, "goodput": goodput}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The report
+
+def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
+    """The plan's report: layout, parameters, memory, FLOPs, links, traffic, the step's time and the run's days."""
+    peak, mem_gib = GPUS[r["gpu"]][:2]
+    print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
+          f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
+          f"({p['accumulation_steps']} micro-batch(es) per step), ac={r['ac']}, keep_gathered={r['keep_gathered']}, "
+          f"optimizer={r['optimizer']}")
+    print(layout)
+    print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
+    print("memory per GPU:")
+    for k, v in r["memory_gib"].items():
+        print(f"  {k:48s} {v:9.2f} GiB")
+    print(f"  {'total':48s} {r['memory_gib_per_gpu']:9.2f} GiB of {mem_gib} ({100 * FIT_FRACTION:.0f}% usable: "
+          f"{FIT_FRACTION * mem_gib:.0f})")
+    print("  activation peak by AC mode: " + ", ".join(f"{k} {v:.1f} GiB"
+                                                       for k, v in r["activations_gib_by_ac"].items()))
+    print(f"FLOPs per token at seq {r['seq']}: {p['flops_per_token'] / 1e9:.2f} GFLOP (6 x active matmul weights + "
+          f"attention)")
+    spans = ", ".join(f"{name} {k * m} = {k} x {m}" for name, (k, m) in p["groups"].items())
+    print(f"links: {links.per_node} GPUs per node, NVLink {links.intra / 1e9:g} GB/s and network "
+          f"{links.inter / 1e9:g} GB/s per GPU each way, {links.latency * 1e6:g} us per collective step; groups "
+          f"(ranks per node x nodes): {spans}")
+    print("bytes each GPU sends per optimizer step, and the time they take on the links:")
+    for k, v in p["traffic_bytes_per_step"].items():
+        print(f"  {k:40s} {v / 1e9:9.1f} GB ({p['network_bytes_per_step'][k] / 1e9:7.1f} GB over the network) "
+              f"{t['link_s'].get(k, 0.0):7.2f} s")
+    o = r["optimizer_step"]
+    s = t["seconds"]
+    muon = (f"Newton-Schulz {o['muon_flops_per_gpu'] / 1e12:.1f} TFLOP on the busiest rank (mean "
+            f"{o['muon_flops_mean'] / 1e12:.1f}), {s[NS]:.3g} s on the ranks' critical path; all-to-all "
+            f"{o['muon_all_to_all_bytes_per_gpu'] / 1e9:.2f} GB, {s.get(MUON_A2A, 0.0):.3g} s; ") \
+        if r["optimizer"] == "muon" else ""
+    print(f"optimizer step ({r['optimizer']}) per GPU: {muon}elementwise passes {o['hbm_bytes_per_gpu'] / 1e9:.1f} GB "
+          f"at {r['hbm_gb_s']:g} GB/s, {s[OPT_HBM]:.3g} s; {o['seconds']:.3g} s after the last reductions")
+    print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
+          f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
+    for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:48s} {v:9.2f} s")
+    print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+          f"{100 * t['mfu']:.1f}%")
+    tokens_per_step = r["global_batch"] * r["seq"]
+    print(f"time: {r['steps']:,} steps of {tokens_per_step:,} tokens ({r['steps'] * tokens_per_step:.3g} in all) on "
+          f"{r['gpus']} x {r['gpu']}: {t['days']:.1f} days")
+
+
+def print_failures(f: dict, t: dict, args):
+    """What failures cost: the job's MTBF, the checkpoint's write and read, the downtime, the interval, goodput."""
+    gib = 2**30
+    hours = f["mtbf_hours_job"]
+    print(f"failures: one every {hours:.3g} h on {args.gpus} GPUs ({f['mtbf_hours_per_gpu']:,.0f} GPU-hours each); a "
+          f"checkpoint writes {f['checkpoint_write_bytes'] / gib:.2f} GiB per GPU in {f['checkpoint_write_s']:.3g} s "
+          f"at {args.storage_gbs:g} GB/s, a restart reads {f['checkpoint_read_bytes'] / gib:.1f} GiB per GPU in "
+          f"{f['checkpoint_read_s']:.3g} s")
+    minutes = {way: f"{s / 60:.1f} min" for way, s in f["downtime_s"].items()}
+    print(f"  down per failure: {minutes['by hand']} restarted by hand ({args.repair_minutes:g} min to repair, then "
+          f"a {args.restart_minutes:g} min restart and the read); {minutes['elastic']} elastic with spare nodes (the "
+          f"{f['timeout_s']:g} s collective timeout, a restart on the survivors, another when the node returns)")
+    best = f["goodput"]["best"]
+    configured = f["goodput"]["configured"]
+    every = f"every {f['configured_interval_s'] / 60:.3g} min" if f["configured_interval_s"] < math.inf else "never"
+    print(f"  checkpoint every {f['interval_s'] / 60:.3g} min = {f['interval_steps']} steps (sqrt(2 x "
+          f"{f['checkpoint_write_s']:.3g} s x {hours:.3g} h), the interval that loses least: --ckpt_every="
+          f"{f['interval_steps']}); goodput {100 * best['by hand']:.1f}% by hand, {100 * best['elastic']:.1f}% elastic "
+          f"(at --ckpt_every/--ckpt_minutes, {every}: {100 * configured['by hand']:.1f}%, "
+          f"{100 * configured['elastic']:.1f}%)")
+    days = {way: t["days"] / g if g else math.inf for way, g in best.items()}
+    print(f"  days with failures: {days['by hand']:.1f} by hand, {days['elastic']:.1f} elastic")
+
+
+def print_search(best: list, tried: int, fit: int, t: dict, command: str, tc: train.TrainConfig, world: int):
+    """The fastest layouts, why each is slower than the first, and the train.py command of the first."""
+    print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {tc.global_batch} x {tc.seq_len} kept):"
+          + ("" if best else " none; use more GPUs or a smaller model"))
+    fastest = best[0][2] if best else None
+    for i, (candidate, planned, projected) in enumerate(best):
+        lose = "fastest" if i == 0 else f"+{100 * (projected['step_s'] / fastest['step_s'] - 1):.1f}%: " \
+                                        f"{why_slower(projected, fastest)}"
+        print(f"  {i + 1}. {layout_flags(candidate):76s} {projected['step_s']:#7.3g} s  MFU "
+              f"{100 * projected['mfu']:4.1f}%  {projected['days']:5.1f} days  "
+              f"{planned['memory_total_bytes'] / 2**30:5.0f} GiB  {lose}")
+    if best:
+        print(f"  this layout: {t['step_s']:.3g} s; vs the fastest: {why_slower(t, fastest)}")
+        print(f"  the fastest with train.py, on {world} ranks: {command}")
+
+
+def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
+    """Plan the run `tc` describes on args.gpus GPUs of kind args.gpu; print the report; the result as a dict."""
+    peak, mem_gib, nvlink_gbs, net_gbs, hbm_tbs = GPUS[args.gpu]
+    links = Links(args.gpus_per_node, (args.nvlink_gbs or nvlink_gbs) * 1e9, (args.net_gbs or net_gbs) * 1e9,
+                  args.latency_us * 1e-6, args.hbm_gbs * 1e9 or hbm_tbs * 1e12)
+    tflops = args.tflops or args.mfu * peak
+    rate_from = "given" if args.tflops else f"{100 * args.mfu:g}% of peak"
+    # The vocabulary is the preset's (train.py takes the data's, which need not be here): --vocab_size plans another.
+    cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides) if tc.init_from_hf else \
+        train.model_config(tc, overrides, PRESETS[tc.preset].vocab_size)
+    result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": tc.seq_len,
+              "micro_batch": tc.micro_batch, "global_batch": tc.global_batch, "steps": tc.steps, "ac": tc.ac,
+              "keep_gathered": tc.keep_gathered, "dp_replicate": tc.dp_replicate, "ep": tc.ep,
+              "optimizer": tc.optimizer, "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9,
+              "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "hbm_gb_s": links.hbm / 1e9,
+              "compute_tflops": tflops}
+    try:
+        p = estimate(cfg, tc, args.gpus, links)
+    except ValueError as e:
+        return {**result, "fits": False, "reason": str(e), "exit": 2}
+    t = project(p, tflops * 1e12, peak, tc.steps)
+    total_gib = p["memory_total_bytes"] / 2**30
+    budget = FIT_FRACTION * mem_gib
+    result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
+                  memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
+                  activations_gib_by_ac={k: v / 2**30 for k, v in p["activations_by_ac"].items()},
+                  flops_per_token=p["flops_per_token"], params_total=p["params_total"],
+                  params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
+                  traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["traffic_bytes_per_step"].items()},
+                  network_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["network_bytes_per_step"].items()},
+                  step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
+                  tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"], mfu=t["mfu"], days=t["days"],
+                  fits=total_gib <= budget, failures=failure_costs(p, tc, t["step_s"], args))
+    o = p["optimizer"]  # its seconds by part are in seconds_per_step
+    result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
+        {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
+         "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
+    print_plan(result, p, t, links, parallel.Layout(args.gpus, tc.dp_replicate, tc.ep).describe(cfg.n_experts),
+               rate_from)
+    print_failures(result["failures"], t, args)
+    if args.search:
+        best, tried, fit = search(cfg, tc, args.gpus, args.gpu, links, tflops * 1e12)
+        command = train_command(best[0][0], overrides, args.config, args.gpus) if best else None
+        print_search(best, tried, fit, t, command, tc, args.gpus)
+        result["search"] = {"tried": tried, "fit": fit, "command": command, "best": [
+            {"flags": layout_flags(candidate), "step_seconds": projected["step_s"], "mfu": projected["mfu"],
+             "days": projected["days"], "memory_gib_per_gpu": planned["memory_total_bytes"] / 2**30,
+             "seconds_per_step": projected["seconds"]} for candidate, planned, projected in best]}
+    if not result["fits"]:
+        result["reason"] = (f"the plan needs {total_gib:.1f} GiB per GPU but a {args.gpu} offers {budget:.0f} of its "
+                            f"{mem_gib} GiB; try --ac=full or --ac=selective, more GPUs per replica (lower "
+                            f"--dp_replicate), or a smaller --micro_batch")
+        result["exit"] = 1
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Command line: plan.py's own flags, then train.py's
+
+TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [
+    f"--{n}" for n in train.MODEL_FIELDS]
+
+
+def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: `kind` of the text, refused with the range it must be in."""
+    def parse(text: str):
+        value = kind(text)
+        if not (low < value if low_open else low <= value) or value > high:
+            bounds = f"{'above' if low_open else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf
+                                                                          else "")
+            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           epilog="Also takes every train.py flag and --config file (python train.py --help), read as "
+                                  "train.py reads them: --preset, model overrides such as --dim=512, --seq_len, "
+                                  "--global_batch, --micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), "
+                                  "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
+    add = parser.add_argument
+    add("--gpus", type=_bounded(int, 0), default=0, help="world size (0: the --config file's world_size, else 1)")
+    add("--gpu", choices=GPUS, default="b300",
+        help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
+    add("--tokens", type=_bounded(float, 0), default=0,
+        help="training token budget: sets --steps to the steps that reach it (0: train.py's --steps)")
+    add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
+        help="the GPU's compute rate while it computes, as a fraction of its bf16 peak (communication is added by the "
+             "time model)")
+    add("--tflops", type=_bounded(float, 0), default=0,
+        help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
+             "of the peak)")
+    add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
+    add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
+    add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: the "
+        "GPU kind's default, h100/h200/b200 50, b300 100)")
+    add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
+    add("--hbm_gbs", type=_bounded(float, 0), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
+        "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
+    add("--mtbf_hours", type=_bounded(float, 0, low_open=True), default=8192.0,
+        help="mean hours between failures of one GPU (with its share of host, network and software): 8192 is one "
+             "failure every 4 hours on 2,048 GPUs, as the run modelled here saw")
+    add("--repair_minutes", type=_bounded(float, 0), default=30.0,
+        help="minutes from a failure to the relaunch when a person restarts the job: the no-step alert, someone on "
+             "call drains the node, swaps in a spare and relaunches (nights and weekends take longer)")
+    add("--restart_minutes", type=_bounded(float, 0), default=5.0,
+        help="minutes a restart takes besides reading the checkpoint: processes, rendezvous, NCCL set-up, "
+             "torch.compile (the time from launch to the first step in a run's log)")
+    add("--storage_gbs", type=_bounded(float, 0, low_open=True), default=2.0,
+        help="GB/s each GPU writes and reads checkpoints at: the storage's aggregate rate / GPUs (2: 16 GB/s per "
+             "node of 8)")
+    add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
+        help="also list the five fastest layouts that fit (--search=false: skip)")
+    add("--json", action="store_true", help="print the result as one JSON object on the last line")
+    return parser
+
+
+def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
+    """train.parse_args as it runs under torchrun on `world` ranks (--micro_batch=0: global_batch / world)."""
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world)}):
+        return train.parse_args(argv)
+
+
+def recorded_world_size(path: str) -> int:
+    """The world_size a config file records (a run's config.json does; a TOML file may), else 0. A file that cannot
+    be read is left to train.parse_args, which names the problem."""
+    toml = path.lower().endswith(".toml")
+    try:
+        with open(path, "rb") as f:
+            if toml:
+                import tomllib  # Python 3.11's; imported here, as train.py does
+            raw = tomllib.load(f) if toml else json.load(f)
+    except (OSError, ValueError):
+        return 0
+    world = raw.get("world_size", 0) if isinstance(raw, dict) else 0
+    if not isinstance(world, int) or world < 0:
+        raise ValueError(f"--config={path} sets world_size to {world!r}; expected a number of GPUs, or pass --gpus.")
+    return world
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, train.TrainConfig, dict]:
+    """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus and args.config resolved."""
+    parser = plan_parser()
+    args, rest = parser.parse_known_args(argv)
+    own = [s for action in parser._actions for s in action.option_strings]
+    for name in (word.split("=")[0] for word in rest if word.startswith("--")):
+        # A mistyped plan.py flag is named here; train.py's parser names the rest (and other trainers' names for them)
+        close = difflib.get_close_matches(name, own + TRAIN_FLAGS, n=1, cutoff=0.5)
+        if name not in TRAIN_FLAGS and close and close[0] in own and name[2:] not in train.OTHER_NAMES:
+            parser.exit(2, f"{parser.prog}: error: unknown flag {name}; did you mean {close[0]}?\n")
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek.add_argument("--config", default="")
+    args.config = peek.parse_known_args(rest)[0].config
+    try:
+        args.gpus = args.gpus or (recorded_world_size(args.config) if args.config else 0) or 1
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    tc, overrides = train_args(rest, args.gpus)
+    if args.tokens:
+        tc = dataclasses.replace(tc, steps=math.ceil(args.tokens / (tc.global_batch * tc.seq_len)))
+    return args, tc, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        result = plan_run(args, tc, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    code = result.pop("exit", 0)
+    if code:
+        print(f"error: {result['reason']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, default=float))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
