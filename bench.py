@@ -18,7 +18,6 @@ run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on tw
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.metadata
 import json
@@ -38,13 +37,10 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
-from model import PRESETS, FeedForward, MoE, grouped_mm_supported, meta_model
+from model import POSITIVE, PRESETS, FeedForward, MoE, at_least, grouped_mm_supported, meta_model, suggest
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
             "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config"}
-TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [
-    f"--{n}" for n in train.MODEL_FIELDS]
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # Timing, memory and synthetic data
@@ -649,19 +645,6 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # Command line
 
-def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
-    """An argparse type: `kind` of the text, refused with the range it must be in."""
-    def parse(text: str):
-        value = kind(text)
-        if not (low < value if low_open else low <= value) or value > high:
-            bounds = f"{'above' if low_open else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf
-                                                                          else "")
-            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
-    return parse
-
-
 def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser of a command's own flags, and the train.py flags it defaults to."""
     description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
@@ -675,9 +658,9 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     add = parser.add_argument
     switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
     warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
-    add("--warmup", type=_bounded(int, 0), default=warmup, help="untimed steps first")
-    add("--iters", type=_bounded(int, 1), default=iters, help="timed steps")
-    add("--threads", type=_bounded(int, 0), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
+    add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
+    add("--iters", type=POSITIVE.parse(int), default=iters, help="timed steps")
+    add("--threads", type=at_least(0).parse(int), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
         "steadier ratios on a machine others are using")
     add("--clock", choices=CLOCKS, default="wall",
         help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
@@ -687,10 +670,10 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
             help="write this run (times, components, kernel fingerprint, environment) as a baseline")
         add("--compare", default="", metavar="PATH", help="compare this run with a --save baseline of the same "
             "flags; exit 1 when the step is slower beyond the noise band and --tolerance")
-        add("--tolerance", type=_bounded(float, 0), default=0.05,
+        add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
     if command == "moe":
-        add("--tokens", type=_bounded(int, 1), default=2048, help="tokens through the layer (seq_len per row)")
+        add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
     if command in ("step", "moe"):
         switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
@@ -703,18 +686,12 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig, 
     if command != "step":
         argv = argv[1:]
         if command not in COMMANDS:
-            close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+            close = suggest(command, COMMANDS)
             raise SystemExit(f"bench.py: error: unknown command {command!r}"
-                             f"{f'; did you mean {close[0]}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
+                             f"{f'; did you mean {close}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
                              f"or none for the training step)")
     parser, train_defaults = _command_parser(command)
-    args, rest = parser.parse_known_args(argv)
-    own = [s for action in parser._actions for s in action.option_strings]
-    for name in (word.split("=")[0] for word in rest if word.startswith("--")):
-        # A mistyped bench.py flag is named here; train.py's parser names the rest (and other trainers' names for them)
-        close = difflib.get_close_matches(name, own + TRAIN_FLAGS, n=1, cutoff=0.5)
-        if name not in TRAIN_FLAGS and close and close[0] in own and name[2:] not in train.OTHER_NAMES:
-            parser.exit(2, f"{parser.prog}: error: unknown flag {name}; did you mean {close[0]}?\n")
+    args, rest = train.parse_tool_args(parser, argv)
     tc, overrides = train.parse_args(train_defaults + rest)
     return command, args, tc, overrides
 

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 import data
-from model import ModelConfig, config_fields, meta_model
+from model import ModelConfig, config_fields, meta_model, refuse_unknown
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -736,7 +736,7 @@ def main(argv=None) -> int:
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        data.refuse_unknown(parser, unknown, sub.choices[args.command])
+        refuse_unknown(parser, unknown, sub.choices[args.command])
     if args.command == "export" and not args.max_shard_gb > 0:
         parser.error(f"--max_shard_gb={args.max_shard_gb} must be above 0.")
     try:

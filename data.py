@@ -35,7 +35,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from model import suggest
+from model import refuse_unknown
 
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 MAGIC = b"NTTOKENS"
@@ -652,14 +652,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         refuse_unknown(p, unknown)
     return args
-
-
-def refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str], known: argparse.ArgumentParser = None):
-    """parser.error for the arguments argparse did not know, naming the closest flag of `known` (default: parser)."""
-    flags = [flag for action in (known or parser)._actions for flag in action.option_strings]
-    close = [c for c in (suggest(arg.split("=")[0], flags) for arg in unknown) if c]
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}; " + (f"did you mean {', '.join(close)}?" if close else
-                                                                     f"{(known or parser).prog} --help lists them."))
 
 
 if __name__ == "__main__":

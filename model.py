@@ -90,6 +90,20 @@ def suggest(word: str, names, aliases: dict | None = None) -> str | None:
     return bare[close[0]] if close else None
 
 
+def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: argparse.ArgumentParser | None = None,
+                   also: list[str] = (), aliases: dict | None = None):
+    """Exit as parser.error does, in one sentence, if any of `words` is a flag that neither `known` (default: parser)
+    nor `also` has, naming for each the flag it most likely means (suggest), or where the flags are listed."""
+    known = known or parser
+    flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
+    unknown = [word.split("=")[0] for word in words if word.split("=")[0] not in flags]
+    if unknown:
+        close = [flag for flag in (suggest(name, flags, aliases) for name in unknown) if flag]
+        parser.exit(2, f"{parser.prog}: error: unknown flag{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                       + (f"did you mean {', '.join(close)}?" if close else f"{known.prog} --help lists the flags.")
+                       + "\n")
+
+
 POSITIVE = at_least(1)
 NON_NEGATIVE = at_least(0, "0 or more")
 

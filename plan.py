@@ -18,7 +18,6 @@ layout or value train.py would refuse.
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import itertools
 import json
@@ -34,7 +33,7 @@ import torch
 import checkpoint
 import parallel
 import train
-from model import PRESETS, MoE, RMSNorm, head_chunks, meta_model
+from model import POSITIVE, PRESETS, MoE, RMSNorm, Rule, above, at_least, head_chunks, meta_model
 
 # ------------------------------------------------------------------------------------------------------------------
 # GPUs, and the memory a layout needs
@@ -698,23 +697,6 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 # Command line: plan.py's own flags, then train.py's
 
-TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in dataclasses.fields(train.TrainConfig)] + [
-    f"--{n}" for n in train.MODEL_FIELDS]
-
-
-def _bounded(kind, low: float, high: float = math.inf, low_open: bool = False):
-    """An argparse type: `kind` of the text, refused with the range it must be in."""
-    def parse(text: str):
-        value = kind(text)
-        if not (low < value if low_open else low <= value) or value > high:
-            bounds = f"{'above' if low_open else 'at least'} {low:g}" + (f" and at most {high:g}" if high < math.inf
-                                                                          else "")
-            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'x'"
-    return parse
-
-
 def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -723,34 +705,34 @@ def plan_parser() -> argparse.ArgumentParser:
                                   "--global_batch, --micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), "
                                   "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
-    add("--gpus", type=_bounded(int, 0), default=0, help="world size (0: the --config file's world_size, else 1)")
+    add("--gpus", type=at_least(0).parse(int), default=0, help="world size (0: the --config file's world_size, else 1)")
     add("--gpu", choices=GPUS, default="b300",
         help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
-    add("--tokens", type=_bounded(float, 0), default=0,
+    add("--tokens", type=at_least(0).parse(float), default=0,
         help="training token budget: sets --steps to the steps that reach it (0: train.py's --steps)")
-    add("--mfu", type=_bounded(float, 0, 1, low_open=True), default=0.4,
+    add("--mfu", type=Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1").parse(float), default=0.4,
         help="the GPU's compute rate while it computes, as a fraction of its bf16 peak (communication is added by the "
              "time model)")
-    add("--tflops", type=_bounded(float, 0), default=0,
+    add("--tflops", type=at_least(0).parse(float), default=0,
         help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
              "of the peak)")
-    add("--gpus_per_node", type=_bounded(int, 1), default=8, help="GPUs joined by NVLink")
-    add("--nvlink_gbs", type=_bounded(float, 0), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-    add("--net_gbs", type=_bounded(float, 0), default=0, help="network GB/s per GPU each way between nodes (0: the "
+    add("--gpus_per_node", type=POSITIVE.parse(int), default=8, help="GPUs joined by NVLink")
+    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
+    add("--net_gbs", type=at_least(0).parse(float), default=0, help="network GB/s per GPU each way between nodes (0: the "
         "GPU kind's default, h100/h200/b200 50, b300 100)")
-    add("--latency_us", type=_bounded(float, 0), default=5.0, help="microseconds per step of a collective")
-    add("--hbm_gbs", type=_bounded(float, 0), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
+    add("--latency_us", type=at_least(0).parse(float), default=5.0, help="microseconds per step of a collective")
+    add("--hbm_gbs", type=at_least(0).parse(float), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
         "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
-    add("--mtbf_hours", type=_bounded(float, 0, low_open=True), default=8192.0,
+    add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
         help="mean hours between failures of one GPU (with its share of host, network and software): 8192 is one "
              "failure every 4 hours on 2,048 GPUs, as the run modelled here saw")
-    add("--repair_minutes", type=_bounded(float, 0), default=30.0,
+    add("--repair_minutes", type=at_least(0).parse(float), default=30.0,
         help="minutes from a failure to the relaunch when a person restarts the job: the no-step alert, someone on "
              "call drains the node, swaps in a spare and relaunches (nights and weekends take longer)")
-    add("--restart_minutes", type=_bounded(float, 0), default=5.0,
+    add("--restart_minutes", type=at_least(0).parse(float), default=5.0,
         help="minutes a restart takes besides reading the checkpoint: processes, rendezvous, NCCL set-up, "
              "torch.compile (the time from launch to the first step in a run's log)")
-    add("--storage_gbs", type=_bounded(float, 0, low_open=True), default=2.0,
+    add("--storage_gbs", type=above(0).parse(float), default=2.0,
         help="GB/s each GPU writes and reads checkpoints at: the storage's aggregate rate / GPUs (2: 16 GB/s per "
              "node of 8)")
     add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
@@ -766,17 +748,8 @@ def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
 
 
 def recorded_world_size(path: str) -> int:
-    """The world_size a config file records (a run's config.json does; a TOML file may), else 0. A file that cannot
-    be read is left to train.parse_args, which names the problem."""
-    toml = path.lower().endswith(".toml")
-    try:
-        with open(path, "rb") as f:
-            if toml:
-                import tomllib  # Python 3.11's; imported here, as train.py does
-            raw = tomllib.load(f) if toml else json.load(f)
-    except (OSError, ValueError):
-        return 0
-    world = raw.get("world_size", 0) if isinstance(raw, dict) else 0
+    """The world_size a config file records (a run's config.json does; a TOML file may), else 0."""
+    world = train.config_file(path).get("world_size", 0)
     if not isinstance(world, int) or world < 0:
         raise ValueError(f"--config={path} sets world_size to {world!r}; expected a number of GPUs, or pass --gpus.")
     return world
@@ -785,13 +758,7 @@ def recorded_world_size(path: str) -> int:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, train.TrainConfig, dict]:
     """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus and args.config resolved."""
     parser = plan_parser()
-    args, rest = parser.parse_known_args(argv)
-    own = [s for action in parser._actions for s in action.option_strings]
-    for name in (word.split("=")[0] for word in rest if word.startswith("--")):
-        # A mistyped plan.py flag is named here; train.py's parser names the rest (and other trainers' names for them)
-        close = difflib.get_close_matches(name, own + TRAIN_FLAGS, n=1, cutoff=0.5)
-        if name not in TRAIN_FLAGS and close and close[0] in own and name[2:] not in train.OTHER_NAMES:
-            parser.exit(2, f"{parser.prog}: error: unknown flag {name}; did you mean {close[0]}?\n")
+    args, rest = train.parse_tool_args(parser, argv)
     peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     peek.add_argument("--config", default="")
     args.config = peek.parse_known_args(rest)[0].config

@@ -38,7 +38,7 @@ import checkpoint
 import data
 import parallel
 from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, Rule, above, at_least, check, max_vio, meta_model,
-                   one_of, option, pad_vocab, suggest, update_expert_bias)
+                   one_of, option, pad_vocab, refuse_unknown, suggest, update_expert_bias)
 
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
@@ -172,13 +172,8 @@ OTHER_NAMES = {other: ours for ours, others in {
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         """An unknown flag names the closest valid one, or ours for another trainer's name (OTHER_NAMES)."""
-        flags = [a for action in self._actions for a in action.option_strings]
-        words = [] if message.startswith("argument ") else message.replace(",", " ").split()
-        unknown = [word.split("=")[0] for word in words if word.startswith("--") and word.split("=")[0] not in flags]
-        if unknown:
-            close = suggest(unknown[0], flags, OTHER_NAMES)
-            message = f"unknown flag {unknown[0]}; " + (f"did you mean {close}?" if close else
-                                                        f"{self.prog} --help lists the flags.")
+        if message.startswith("unrecognized arguments: "):
+            refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split(), aliases=OTHER_NAMES)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -220,6 +215,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
 
 
+# Every flag train.py takes, which bench.py and plan.py take too (after their own).
+TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in fields(TrainConfig)] + [f"--{name}" for name in MODEL_FIELDS]
+
+
+def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags: a mistyped flag of
+    either kind names the closest one."""
+    args, rest = parser.parse_known_args(argv)
+    refuse_unknown(parser, [word for word in rest if word.startswith("-")], also=TRAIN_FLAGS, aliases=OTHER_NAMES)
+    return args, rest
+
+
 def with_batch_defaults(tc: TrainConfig, world: int) -> TrainConfig:
     """--micro_batch=0: each rank's whole share of the global batch in one forward (no accumulation)."""
     return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
@@ -230,11 +237,8 @@ RUN_FACTS = ("world_size", "tokenizer", "data", "run_id", "from_step")
 TYPE_NAMES = {bool: "bool (true or false)", int: "int", float: "number", str: "string"}
 
 
-def read_config(path: str, kinds: dict) -> dict:
-    """The flag values a config file sets, with the types the command line's flags have: a run's config.json, whose
-    model table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML (.toml)
-    with the same [train] and [model] tables. ValueError, one sentence, for an unreadable file, an unknown key or a
-    value of the wrong type."""
+def config_file(path: str) -> dict:
+    """What a config file holds: a run's config.json, or TOML (.toml). ValueError, one sentence, if it cannot be."""
     toml = path.lower().endswith(".toml")
     try:
         with open(path, "rb") as f:
@@ -247,8 +251,15 @@ def read_config(path: str, kinds: dict) -> dict:
         raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
     if not isinstance(raw, dict):
         raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected train and model tables.")
+    return raw
+
+
+def read_config(path: str, kinds: dict) -> dict:
+    """The flag values a config file sets, with the types the command line's flags have: a run's config.json, whose
+    model table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML with the
+    same [train] and [model] tables. ValueError, one sentence, for an unknown key or a value of the wrong type."""
     entries = {}  # "train.lr": 0.01, ...
-    for key, value in raw.items():
+    for key, value in config_file(path).items():
         if key in ("train", "model") and isinstance(value, dict):
             entries.update({f"{key}.{k}": v for k, v in value.items()})
         elif key not in RUN_FACTS:
