@@ -37,6 +37,7 @@ from torch.autograd import DeviceType
 
 import parallel
 import train
+from parallel import say
 from model import POSITIVE, PRESETS, FeedForward, MoE, at_least, grouped_mm_supported, meta_model, suggest
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
@@ -245,7 +246,7 @@ def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
     return table, kernels, statistics.median(wall for _, _, wall, _ in runs), phases
 
 
-def print_components(table: dict, wall_ms: float, say, what: str):
+def print_components(table: dict, wall_ms: float, what: str):
     say(f"where the time goes ({what}; profiler self time per op, a backward op charged to the component whose forward "
         f"created it, recomputation under AC counted as forward; the output head's gradients are made in its "
         f"forward):")
@@ -265,7 +266,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
     run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
-    cfg, say = run.cfg, run.say
+    cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
     if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
@@ -318,7 +319,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
             f"computes with the loss):")
         for label, v in phases.items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
-        print_components(table, wall, say, f"the median of {len(runs)} profiled training steps"
+        print_components(table, wall, f"the median of {len(runs)} profiled training steps"
                          + (", the compiled blocks not split" if tc.compile else ""))
         result.update(phases_ms=phases, components_ms=table, kernels=kernels, step_kernels=merged(kernels))
     result.update(config=config, environment=environment(device))
@@ -479,7 +480,7 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
     return y_BTD.detach(), x_BTD.grad
 
 
-def moe_report(result: dict, times: dict, flops: float, world: int, say):
+def moe_report(result: dict, times: dict, flops: float, world: int):
     """Adds and prints the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
     active, dense = result["active_hidden"], result["dense_hidden"]
     for name in times:
@@ -507,7 +508,6 @@ def moe_report(result: dict, times: dict, flops: float, world: int, say):
 
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
-    say = print if rank == 0 else (lambda *a, **k: None)
     autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
     N, T = args.tokens, min(tc.seq_len, args.tokens)
@@ -565,11 +565,11 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         layers["ep"].experts.impl = "grouped"
         result["ep_vs_local_max_diff"] = (variant("ep")()[0] - y_g).abs().max().item()
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
-    moe_report(result, times, 6 * N * D * 3 * active_hidden, world, say)  # fwd + bwd of the active matmuls
+    moe_report(result, times, 6 * N * D * 3 * active_hidden, world)  # fwd + bwd of the active matmuls
     if args.breakdown:
         table, ops, wall, _ = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
         result["components_ms"] = table
-        print_components(table, wall, say, "the grouped MoE layer")
+        print_components(table, wall, "the grouped MoE layer")
         top = sorted(merged(ops).items(), key=lambda kv: -kv[1][1])[:10]
         result["top_ops_ms"] = {name: ms for name, (_, ms) in top}
         say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, (_, ms) in top))
@@ -715,8 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     code = result.pop("exit", 0)
     if code and "reason" in result:
         print(f"error: {result['reason']}", file=sys.stderr)
-    if args.json and int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result, default=float))
+    if args.json:
+        parallel.say(json.dumps(result, default=float))
     return code
 
 

@@ -126,9 +126,22 @@ def finish(code: int) -> int:
     return code
 
 
+def rank_world() -> tuple[int, int]:
+    """(this process's rank, the number of ranks): (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def say(*args, **kwargs):
+    """print, on rank 0 only: what a run tells its user once, whatever the number of ranks."""
+    if rank_world()[0] == 0:
+        print(*args, **kwargs)
+
+
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks, in place (a no-op in one process): the global batch's counts, on every rank."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_world()[1] > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
@@ -162,9 +175,9 @@ class Layout:
         R = self.dp_replicate
         ep = self.ep
         E = model_cfg.n_experts
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != W:
-            raise ValueError(f"Layout(world={W}) does not match the {dist.get_world_size()} launched processes; "
-                             f"pass world={dist.get_world_size()}.")
+        if dist.is_available() and dist.is_initialized() and rank_world()[1] != W:
+            raise ValueError(f"Layout(world={W}) does not match the {rank_world()[1]} launched processes; "
+                             f"pass world={rank_world()[1]}.")
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
                              f"{_divisors(W)}.")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel
+from parallel import say
 from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, Rule, above, at_least, check, max_vio, meta_model,
                    one_of, option, pad_vocab, refuse_unknown, suggest, update_expert_bias)
 
@@ -320,10 +321,6 @@ def state_copies(tc: TrainConfig) -> int:
     return 4 if tc.optimizer == "adamw" else 3
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask: bool) -> float:
     """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks; attention
@@ -338,7 +335,7 @@ def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask
                 total += model(tokens_BT, targets_BT=targets_BT, doc_ids_BT=doc_ids_BT if doc_mask else None).float()
             count += 1
     model.train()
-    return parallel.all_reduce_sum_(total / max(count, 1)).item() / world_size()
+    return parallel.all_reduce_sum_(total / max(count, 1)).item() / parallel.rank_world()[1]
 
 
 # --- one optimizer step: the piece bench.py times as well
@@ -403,7 +400,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
     with phase("all-reduce counts, losses"):  # the global batch: counts summed over ranks, losses averaged
         parallel.all_reduce_sum_(counts_LE)
         parallel.all_reduce_sum_(losses)
-    losses /= world_size()
+    losses /= parallel.rank_world()[1]
     with phase("grad clip"):
         grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
     lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read
@@ -622,10 +619,10 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     return tc, resume_from
 
 
-def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, loader, state: TrainState,
-           resolved: dict, say) -> TrainConfig:
+def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState,
+           resolved: dict) -> TrainConfig:
     """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
-    optimizer, loader and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
+    optimizer and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
     checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
     targets = {"model": model, "optim": optimizer}
     if resume_from and tc.resume == "auto":
@@ -684,10 +681,6 @@ class Run:
     def master(self) -> bool:
         return self.rank == 0
 
-    def say(self, *args, **kwargs):
-        """print, on rank 0 only."""
-        if self.master:
-            print(*args, **kwargs)
 
 
 def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
@@ -713,7 +706,7 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
                 "data": {"fingerprint": manifest["fingerprint"]}}
     run = Run.on(tc, cfg, rank, world, device)
     if resume_from:
-        compare_settings(resume_from, resolved, run.say)
+        compare_settings(resume_from, resolved)
     return run, resolved, resume_from
 
 
@@ -726,7 +719,7 @@ SETTINGS = [f"train.{name}" for name in (
     "model.aux_loss_coef", "model.z_loss_coef"]
 
 
-def compare_settings(resume_from: str, resolved: dict, say):
+def compare_settings(resume_from: str, resolved: dict):
     """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
     data set or tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by
     accident); the seed, sequence length and global batch fix which tokens each step reads, so they cannot change."""
@@ -766,7 +759,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader | None]:
     tc = run.tc
     splits = [split for split, shards in data.load_manifest(tc.data)["splits"].items() if shards]
     if "val" not in splits:
-        run.say(f"no validation set in {tc.data} (prepared with --val_fraction=0): validation is skipped")
+        say(f"no validation set in {tc.data} (prepared with --val_fraction=0): validation is skipped")
     loader = {split: data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
                                      vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in splits}
     return loader["train"], loader.get("val")
@@ -787,7 +780,7 @@ def flops_per_token(run: Run) -> float:
     twin = meta_model(run.cfg)
     n = twin.num_params()
     flops = twin.flops_per_token(run.tc.seq_len)
-    run.say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
+    say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
             f"{flops / 1e6:.1f} MFLOP/token")
     return flops
 
@@ -888,12 +881,12 @@ class Loop:
         if self.val_loader is not None and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
             self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
                                                           tc.micro_batch, run.autocast, tc.doc_mask)
-            run.say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
+            say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
         self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
             self.save(step + 1, final=last or preempted)
         if preempted:
-            run.say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
+            say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
                     f"{step + 1}; exiting")
             return True
         self.drills.after_step(step)
@@ -902,7 +895,7 @@ class Loop:
     def non_finite(self, step: int):
         """Said for a non-finite step; too many in a row stop the run."""
         state = self.state
-        self.run.say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
+        say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
                      f"({state.bad_steps} in a row, {state.skipped} in total)")
         if state.bad_steps >= self.run.tc.max_bad_steps:
             self.guard.close()
@@ -935,14 +928,14 @@ class Loop:
             pending()
         except checkpoint.SaveFailed as e:
             return self.failed(e)
-        self.run.say(f"checkpoint step_{self.ckpt_step:08d} complete, "
+        say(f"checkpoint step_{self.ckpt_step:08d} complete, "
                      f"{time.time() - self.ckpt_time:.1f}s after it began")
 
     def failed(self, e: checkpoint.SaveFailed):
         if self.final:
             self.lost = e  # nothing follows to go on with: finish raises it once the run is wound up
         else:
-            self.run.say(f"{e} Training goes on.")
+            say(f"{e} Training goes on.")
 
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields."""
@@ -959,7 +952,7 @@ class Loop:
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
-        self.run.say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
+        say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
                      f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
                      f" | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                      f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
@@ -971,7 +964,7 @@ class Loop:
         tc = self.run.tc
         out = self.out
         if out is not None:
-            self.run.say(f"done: {self.state.step + 1 - self.start_step} steps, "
+            say(f"done: {self.state.step + 1 - self.start_step} steps, "
                          f"{(self.state.step + 1) * self.tokens_per_step:,} tokens seen in all, "
                          f"{time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {out['loss']:.3f}, "
                          f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
@@ -995,14 +988,13 @@ def sample(run: Run, model, tokenizer: str):
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
     tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)[0].tolist()
-    run.say("sample:\n" + enc.decode(checkpoint.up_to_stop(tokens, prompt.shape[1], enc.eot_token)))
+    say("sample:\n" + enc.decode(checkpoint.up_to_stop(tokens, prompt.shape[1], enc.eot_token)))
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached."""
     run, resolved, resume_from = setup(tc, overrides)
     tc = run.tc
-    say = run.say
     train_loader, val_loader = loaders(run)
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
@@ -1016,7 +1008,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     drills.skew_router(model)
 
     state = TrainState.fresh(model, run.device)
-    schedule = resume(resume_from, tc, model, optimizer, train_loader, state, resolved, say)
+    schedule = resume(resume_from, tc, model, optimizer, state, resolved)
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}

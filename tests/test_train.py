@@ -158,15 +158,14 @@ def test_compile_defaults_on_with_cuda_only(monkeypatch):
     assert train.parse_args(["--compile=false"])[0].compile is False
 
 
-def test_closing_sample_is_shown_up_to_its_end_of_text(monkeypatch):
+def test_closing_sample_is_shown_up_to_its_end_of_text(capsys):
     """train.py's closing sample draws all --sample_tokens tokens on every rank (a rank that stopped alone would leave
     the others waiting in the forward) and shows them up to the first end-of-text after the prompt."""
     enc = data.get_encoding("cl100k_base")
-    prompt, said = enc.encode("def "), []
+    prompt = enc.encode("def ")
     drawn = enc.encode(" f(x):") + [enc.eot_token] + enc.encode("import os")
     cfg = SimpleNamespace(vocab_size=100352)
-    run = SimpleNamespace(device=torch.device("cpu"), tc=SimpleNamespace(seed=0, sample_tokens=len(drawn)), cfg=cfg,
-                          say=said.append)
+    run = SimpleNamespace(device=torch.device("cpu"), tc=SimpleNamespace(seed=0, sample_tokens=len(drawn)), cfg=cfg)
     asked = {}
 
     def generate(tokens_BT, n, **kwargs):
@@ -175,7 +174,7 @@ def test_closing_sample_is_shown_up_to_its_end_of_text(monkeypatch):
 
     train.sample(run, SimpleNamespace(eval=lambda: None, generate=generate), "cl100k_base")
     assert asked["n"] == len(drawn) and "stop_id" not in asked
-    assert said == ["sample:\n" + enc.decode(prompt + drawn[:drawn.index(enc.eot_token) + 1])]
+    assert capsys.readouterr().out == "sample:\n" + enc.decode(prompt + drawn[:drawn.index(enc.eot_token) + 1]) + "\n"
 
 
 def test_validation_masks_documents_as_training_does():
