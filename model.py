@@ -61,11 +61,12 @@ def one_of(*choices) -> Rule:
     return Rule(lambda v, _: v in choices, "one of " + ", ".join(map(str, choices)), choices)
 
 
-def option(default, help: str, rule: Rule | None = None):
-    """A settings field: its default, its help (with a one_of rule's choices) and its rule."""
+def option(default, help: str, rule: Rule | None = None, parse: Callable | None = None):
+    """A settings field: its default, its help (with a one_of rule's choices), its rule and, where its text is more
+    than its type's (dp_replicate's "auto"), the function that reads it."""
     if rule is not None and rule.choices:
         help = f"{help}: {' | '.join(map(str, rule.choices))}"
-    return field(default=default, metadata={"help": help, "rule": rule})
+    return field(default=default, metadata={"help": help, "rule": rule, "parse": parse})
 
 
 def check(settings) -> None:

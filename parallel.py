@@ -17,7 +17,10 @@ import functools
 import gc
 import math
 import os
+import signal
 import sys
+import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,9 +82,10 @@ def use_cuda() -> bool:
     return choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
 
 
-def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
+def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
-    collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group."""
+    collective timeout so a hung rank fails loudly, over the first `used` ranks (default: all launched); the others
+    stand by and never return (standby). Without torchrun: one process, no process group."""
     cuda = use_cuda()
     if not cuda:
         # glibc hands every freed block over 32 MiB back to the OS, which zero-fills it afresh at the next step (a
@@ -91,8 +95,15 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
                 ctypes.CDLL("libc.so.6").mallopt(option, 1 << 30)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        # A worker whose launcher dies (killed, out of memory) would train on beside the job relaunched in its place:
+        # the kernel kills it with its launcher instead (PR_SET_PDEATHSIG), before it writes anything more.
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before the line above
+            os._exit(1)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    used = world if used is None else used
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -100,26 +111,72 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
         torch.cuda.set_device(device)
-    store = {}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torch >= 2.5 keeps torchrun's one store across restarts (pytorch/pytorch#135712), where restarted workers
-        # would read the dead workers' addresses: each restart attempt gets its own key prefix.
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", agent), "rank": rank, "world_size": world}
+    global _store
+    _store = _round_store(rank, world, timedelta(seconds=timeout_s))
+    if rank >= used:
+        standby(rank, world, used)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if cuda else None, **store)
-    return rank, world, device
+                            device_id=device if cuda else None, store=_store, rank=rank, world_size=used)
+    return rank, used, device
+
+
+_store = None  # this round's store: rank 0 hosts it, the other ranks are its clients
+ROUND_KEY = "/nanotitan/round_store"  # in torchrun's store: "port nonce" of this round's store
+
+
+def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """A store for this round of ranks alone, on rank 0's node. torchrun (torch >= 2.5) keeps its one store for a
+    whole job, across restarts and membership changes, where a new round's ranks would read the dead round's keys:
+    rank 0 hosts a fresh one and writes its port and a nonce there; the other ranks connect to the port written
+    last until one answers with that nonce (a dead round's rank 0 answers no more)."""
+    host = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # the port is ours: rank 0 hosts the store there
+        return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set("nonce", nonce)
+        agent.set(ROUND_KEY, f"{store.port} {nonce}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        port, nonce = agent.get(ROUND_KEY).decode().split()  # waits for the first round's rank 0
+        with contextlib.suppress(RuntimeError):  # refused or timed out (DistStoreError is a RuntimeError)
+            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=2))
+            if store.check(["nonce"]) and store.get("nonce").decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        time.sleep(0.2)
+    raise RuntimeError(f"rank {rank} found no store of this round's rank 0 on {host} within {timeout}.")
+
+
+def standby(rank: int, world: int, used: int):
+    """A rank beyond a whole number of replicas: no model, no collective, until the job ends (rank 0's store says so,
+    or is gone) or torchrun restarts it into a world that uses it."""
+    print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart",
+          flush=True)
+    while True:
+        time.sleep(1)
+        try:
+            if _store.check(["done"]):
+                os._exit(0)
+        except RuntimeError:  # rank 0, and with it the round, is gone: torchrun decides what follows
+            os._exit(0)
 
 
 def finish(code: int) -> int:
     """End a finished run: collect the reference cycles that hold process groups while the interpreter is whole, and
-    leave a torchrun worker without interpreter shutdown (where gloo's leftovers can abort a run that succeeded)."""
+    leave a torchrun worker without interpreter shutdown (where gloo's leftovers can abort a run that succeeded).
+    Standing-by ranks end with it."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "RANK" in os.environ:
+        if _store is not None and rank_world()[0] == 0:
+            with contextlib.suppress(RuntimeError):
+                _store.set("done", str(code))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)
@@ -159,6 +216,25 @@ class Layout:
     world: int
     dp_replicate: int = 1
     ep: int = 1
+
+    @classmethod
+    def following(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
+        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks. dp_replicate=0
+        (auto) makes as many replicas of dp_shard ranks as fit, so that the layout follows the world an elastic job
+        restarts with; the ranks left over stand by. dp_shard=0: launched / dp_replicate. ValueError: one sentence."""
+        if dp_replicate == 0:
+            if dp_shard == 0:
+                raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
+                                 "pass --dp_shard, the FSDP group size to keep.")
+            if launched < dp_shard:
+                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard}; "
+                                 f"launch at least {dp_shard} ranks or lower --dp_shard.")
+            return cls(launched // dp_shard * dp_shard, launched // dp_shard, ep)
+        if dp_shard and dp_replicate * dp_shard != launched:
+            raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard} is {dp_replicate * dp_shard} "
+                             f"ranks but {launched} were launched; launch that many, or pass --dp_replicate=auto to "
+                             f"follow the world.")
+        return cls(launched, dp_replicate, ep)
 
     @property
     def dp_shard(self) -> int:

@@ -22,11 +22,9 @@ import functools
 import itertools
 import json
 import math
-import os
 import shlex
 import sys
 from collections import Counter, defaultdict
-from unittest import mock
 
 import torch
 
@@ -277,7 +275,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     optimizer's work and a checkpoint's bytes for training `cfg` as train.py does with `tc` on `world` ranks: dense
     parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32.
     detail=False: the memory only."""
-    layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+    layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
     links = links or Links()
@@ -474,7 +472,8 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
         micro_batches = parallel._divisors(tc.global_batch // world)
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
-            candidate = dataclasses.replace(tc, dp_replicate=R, ep=ep, micro_batch=micro, ac=ac, keep_gathered=keep)
+            candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
+                                            keep_gathered=keep)
             if estimate(cfg, candidate, world, links, detail=False)["memory_total_bytes"] <= \
                     FIT_FRACTION * mem_gib * 2**30:
                 p = estimate(cfg, candidate, world, links)
@@ -675,7 +674,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
         {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
          "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
-    print_plan(result, p, t, links, parallel.Layout(args.gpus, tc.dp_replicate, tc.ep).describe(cfg.n_experts),
+    print_plan(result, p, t, links, parallel.Layout.following(args.gpus, tc.dp_replicate, tc.dp_shard, tc.ep).describe(cfg.n_experts),
                rate_from)
     print_failures(result["failures"], t, args)
     if args.search:
@@ -742,9 +741,14 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
-    """train.parse_args as it runs under torchrun on `world` ranks (--micro_batch=0: global_batch / world)."""
-    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world)}):
-        return train.parse_args(argv)
+    """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: global_batch over
+    the ranks the layout uses)."""
+    tc, overrides = train.parse_args(argv)
+    try:
+        layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
+    except ValueError as e:
+        raise SystemExit(f"plan.py: error: {e}") from None
+    return train.with_batch_defaults(tc, layout.world), overrides
 
 
 def recorded_world_size(path: str) -> int:

@@ -91,7 +91,12 @@ class TrainConfig:
     bias_freeze_step: int = option(-1, "only steps 0 .. N-1 move the expert bias (-1: every step)",
                                    at_least(-1, "-1 (never) or a step number"))
     # parallelism and precision (parallel.py)
-    dp_replicate: int = option(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R", POSITIVE)
+    dp_replicate: int = option(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R; auto (or 0): "
+                                  "as many replicas of --dp_shard ranks as the launched world holds, the rest standing "
+                                  "by (elastic jobs)", at_least(0, "auto (0) or at least 1"),
+                               parse=lambda text: 0 if text == "auto" else int(text))
+    dp_shard: int = option(0, "FSDP group size S (0: world / dp_replicate); with --dp_replicate=auto, fixed while the "
+                              "world changes", NON_NEGATIVE)
     ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
     keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
@@ -191,19 +196,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
                                                       "with [train] and [model] tables; flags given here override it")
     model_group = parser.add_argument_group("model overrides (default: the preset's value)")
     tables = {"train": fields(TrainConfig), "model": MODEL_FIELDS.values()}
-    kinds = {f"{table}.{f.name}": _kind(f) for table, flags in tables.items() for f in flags}  # "train.lr": float
+    settings = {f"{table}.{f.name}": f for table, flags in tables.items() for f in flags}  # "train.lr": its field
     for table, flags in tables.items():
         for f in flags:
             kind = _kind(f)
             shown = f" (default: {f.default})" if table == "train" else ""
             (parser if table == "train" else model_group).add_argument(
-                f"--{f.name}", type=_parse_bool if kind is bool else kind, default=argparse.SUPPRESS,
+                f"--{f.name}", type=f.metadata.get("parse") or (_parse_bool if kind is bool else kind),
+                default=argparse.SUPPRESS,
                 help=f.metadata.get("help", f"ModelConfig.{f.name}") + shown,
                 **({"nargs": "?", "const": True} if kind is bool else {}))
     given = vars(parser.parse_args(argv))  # only what the command line says (SUPPRESS: no defaults)
     config_path = given.pop("config")
     try:
-        from_file = read_config(config_path, kinds) if config_path else {}
+        from_file = read_config(config_path, settings) if config_path else {}
         if "preset" in given:  # the command line's preset, not the file's model of another preset
             from_file = {k: v for k, v in from_file.items() if k not in MODEL_FIELDS}
         values = {**from_file, **given}
@@ -213,7 +219,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     overrides = {k: values[k] for k in MODEL_FIELDS if k in values}
     if tc.compile is None:
         tc = dataclasses.replace(tc, compile=parallel.use_cuda())
-    return with_batch_defaults(tc, int(os.environ.get("WORLD_SIZE", "1"))), overrides
+    return tc, overrides
 
 
 # Every flag train.py takes, which bench.py and plan.py take too (after their own).
@@ -255,7 +261,7 @@ def config_file(path: str) -> dict:
     return raw
 
 
-def read_config(path: str, kinds: dict) -> dict:
+def read_config(path: str, settings: dict) -> dict:
     """The flag values a config file sets, with the types the command line's flags have: a run's config.json, whose
     model table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML with the
     same [train] and [model] tables. ValueError, one sentence, for an unknown key or a value of the wrong type."""
@@ -265,14 +271,18 @@ def read_config(path: str, kinds: dict) -> dict:
             entries.update({f"{key}.{k}": v for k, v in value.items()})
         elif key not in RUN_FACTS:
             entries[key] = value
-    by_name = {k.split(".")[1]: k for k in kinds}
+    by_name = {k.split(".")[1]: k for k in settings}
     values = {}
     for key, value in entries.items():
-        if key not in kinds:
+        if key not in settings:
             name = by_name.get(suggest(key if key in OTHER_NAMES else key.split(".")[-1], by_name, OTHER_NAMES))
             raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {name}?" if name else
                              "keys are train.FLAG or model.FIELD, as python train.py --help lists them."))
-        kind = kinds[key]
+        kind = _kind(settings[key])
+        parse = settings[key].metadata.get("parse")
+        if parse and isinstance(value, str):  # a word the flag takes too (dp_replicate = "auto")
+            with contextlib.suppress(ValueError):
+                value = parse(value)
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {TYPE_NAMES[kind]}.")
         values[key.split(".")[1]] = kind(value)
@@ -673,7 +683,8 @@ class Run:
 
     @classmethod
     def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> "Run":
-        layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
+        layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
+        tc = with_batch_defaults(tc, layout.world)
         layout.check(cfg, tc.global_batch, tc.micro_batch)
         return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device))
 
@@ -682,11 +693,12 @@ class Run:
         return self.rank == 0
 
 
-
 def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
     """Ranks, OUT_DIR (one run per directory), the data, the model config and the layout. Returns the run, its config
     as config.json and every checkpoint keep it (resume adds the run id), and what to resume from (prepare_out_dir)."""
-    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
+    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
     tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):

@@ -311,13 +311,11 @@ def test_extending_a_run_says_which_lr_schedule_it_follows(finished, corpus_dir,
         assert lrs[4:] == [train.lr_at(4, tc6), train.lr_at(5, tc6)] and lrs[4] > lrs[3]
 
 
-def test_readme_layouts_work_with_the_default_batch(monkeypatch):
+def test_readme_layouts_work_with_the_default_batch():
     for world, flags in ((2, ["--ep=2"]), (8, ["--dp_replicate=2", "--ep=4", "--global_batch=64"]), (1, [])):
-        monkeypatch.setenv("WORLD_SIZE", str(world))
         tc, overrides = train.parse_args(flags)
-        assert tc.micro_batch == tc.global_batch // world
-        layout = parallel.Layout(world, tc.dp_replicate, tc.ep)
-        layout.check(train.model_config(tc, overrides, 100277), tc.global_batch, tc.micro_batch)
+        run = train.Run.on(tc, train.model_config(tc, overrides, 100277), 0, world, torch.device("cpu"))  # checks
+        assert run.tc.micro_batch == tc.global_batch // world
 
 
 def test_layout_error_is_one_line_from_one_rank(corpus_dir, tmp_path):
