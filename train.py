@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -137,6 +138,8 @@ class TrainConfig:
                                                          <= set(CHANGEABLE), "empty or some of tokenizer, data"))
     step_timeout: float = option(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
                                         "(0: off); also the collective timeout", OFF_OR_MORE)
+    lease_wait: float = option(60.0, "seconds to wait for another live job to leave OUT_DIR before refusing (keep "
+                                     "it below --step_timeout)", NON_NEGATIVE)
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
     crash_at_step: int = option(-1, "fault drill: the last rank dies after this step (first launch only)")
     stall_at_step: int = option(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
@@ -582,12 +585,88 @@ class Guard:
             signal.signal(sig, handler)
 
 
-# --- the run's output directory: one run per OUT_DIR, checked before anything heavy
+# --- the run's output directory: one live job and one run per OUT_DIR, checked before anything heavy
 
-def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
-    """Make OUT_DIR (one sentence if it cannot be written) and refuse a run that would mix with or delete another run
-    there: --resume=auto or one of its checkpoints continues it, --overwrite replaces it, a job torchrun restarted
-    continues its first attempt. Returns the config and what to resume from (a checkpoint, the root, or None)."""
+LEASE_BEAT_S = 2.0  # how often the job holding OUT_DIR renews its lease
+LEASE_STALE_S = 10.0  # a lease not renewed for this long, as another job sees it, belongs to a job that is gone
+
+
+class Lease:
+    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (an owner id, host, pid and a heartbeat count a
+    thread renews every LEASE_BEAT_S), which works on shared filesystems where flock does not (NFS, Lustre). Another
+    job waits up to --lease_wait seconds for a live lease to end, then refuses naming its holder; a lease whose
+    heartbeat stopped (for LEASE_STALE_S as the newcomer watches it: no clocks are compared) or whose holder on this
+    host is gone is taken over, and the takeover said. A holder that finds its lease taken stops at once."""
+
+    def __init__(self, out_dir: str, wait_s: float):
+        self.path = os.path.join(out_dir, "lease.json")
+        self.mine = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "beat": 0}
+        self.stopped = threading.Event()
+        seen = None
+        since = start = time.monotonic()
+        while True:
+            held = self.held()
+            stale = held is not None and held == seen and time.monotonic() - since > LEASE_STALE_S
+            if held is None or stale or self.gone(held):
+                self.write()
+                time.sleep(0.5)  # a job that wrote at the same moment: the last write wins, the other one waits
+                if (self.held() or {}).get("owner") == self.mine["owner"]:
+                    break
+                continue
+            if held != seen:  # the heartbeat moved: that job is alive
+                seen = held
+                since = time.monotonic()
+            if time.monotonic() - start >= wait_s:
+                raise ValueError(f"--out_dir={out_dir} is in use by another job (host {held['host']}, pid "
+                                 f"{held['pid']}, last heartbeat at {time.ctime(held['time'])} by its clock); wait "
+                                 f"for it to end or stop it, choose another --out_dir, or wait longer with "
+                                 f"--lease_wait.")
+            time.sleep(0.5)
+        if held is not None:
+            say(f"lease of {out_dir} taken over from host {held['host']} pid {held['pid']}, "
+                f"{'which is gone' if self.gone(held) else 'whose heartbeat stopped'}")
+        threading.Thread(target=self.renew, daemon=True).start()
+
+    def held(self) -> dict | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(Path(self.path).read_text())
+
+    @staticmethod
+    def gone(held: dict) -> bool:
+        """Whether the holder is a process of this host that no longer exists (a job that crashed here)."""
+        if held.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # another user's process: alive
+            pass
+        return False
+
+    def write(self):
+        self.mine["beat"] += 1
+        data.write_durably(self.path, json.dumps({**self.mine, "time": time.time()}))
+
+    def renew(self):
+        while not self.stopped.wait(LEASE_BEAT_S):
+            held = self.held()
+            if held is not None and held["owner"] != self.mine["owner"]:
+                print(f"lease of {os.path.dirname(self.path)} taken over by host {held['host']} pid {held['pid']}: "
+                      f"this job stops", file=sys.stderr, flush=True)
+                os._exit(1)
+            self.write()
+
+    def release(self):
+        self.stopped.set()
+        held = self.held()
+        if held is not None and held["owner"] == self.mine["owner"]:
+            os.remove(self.path)
+
+
+def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
+    """Make OUT_DIR (one sentence if it cannot be written) and take its lease on rank 0: the same sentence on every
+    rank when another job holds it."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -595,6 +674,24 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     except OSError as e:
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
+    lease = None
+    refusal = [None]
+    if master:
+        try:
+            lease = Lease(tc.out_dir, tc.lease_wait)
+        except ValueError as e:
+            refusal = [str(e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise ValueError(refusal[0])
+    return lease
+
+
+def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
+    """Refuse a run that would mix with or delete another run in OUT_DIR: --resume=auto or one of its checkpoints
+    continues it, --overwrite replaces it, a job torchrun restarted continues its first attempt. Returns the config
+    and what to resume from (a checkpoint, the root, or None)."""
     root = os.path.join(tc.out_dir, "checkpoints")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted this job
     if restarted and checkpoint.latest(root):  # it continues from its own newest checkpoint
@@ -680,13 +777,15 @@ class Run:
     device: torch.device
     autocast: contextlib.AbstractContextManager
     dtype: torch.dtype | None
+    lease: Lease | None  # OUT_DIR's, held by rank 0
 
     @classmethod
-    def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> "Run":
+    def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device,
+           lease: Lease | None = None) -> "Run":
         layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
         tc = with_batch_defaults(tc, layout.world)
         layout.check(cfg, tc.global_batch, tc.micro_batch)
-        return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device))
+        return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device), lease)
 
     @property
     def master(self) -> bool:
@@ -699,6 +798,17 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
+    lease = hold_out_dir(tc, rank == 0)
+    try:
+        return prepare(tc, overrides, rank, world, device, lease)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: torch.device,
+            lease: Lease | None) -> tuple[Run, dict, str | None]:
     tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
@@ -716,7 +826,7 @@ def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
                 "tokenizer": {"name": manifest["tokenizer"],
                               "source": manifest.get("tokenizer_path", manifest["tokenizer"])},
                 "data": {"fingerprint": manifest["fingerprint"]}}
-    run = Run.on(tc, cfg, rank, world, device)
+    run = Run.on(tc, cfg, rank, world, device, lease)
     if resume_from:
         compare_settings(resume_from, resolved)
     return run, resolved, resume_from
@@ -1004,8 +1114,17 @@ def sample(run: Run, model, tokenizer: str):
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
-    """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached."""
+    """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached.
+    OUT_DIR's lease is given back however the run ends (a process that dies leaves one that others take over)."""
     run, resolved, resume_from = setup(tc, overrides)
+    try:
+        return train_run(run, resolved, resume_from)
+    finally:
+        if run.lease is not None:
+            run.lease.release()
+
+
+def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     tc = run.tc
     train_loader, val_loader = loaders(run)
     say(json.dumps(resolved, indent=1))
