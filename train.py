@@ -366,6 +366,7 @@ class TrainState:
     momentum: torch.Tensor
     skipped: int = 0
     bad_steps: int = 0
+    resumed_world: int = 0  # the world size of the launch that wrote the checkpoint resumed (0: a fresh run)
 
     @classmethod
     def fresh(cls, model, device: torch.device) -> "TrainState":
@@ -379,6 +380,7 @@ class TrainState:
         self.step = saved["step"]
         self.skipped = saved["skipped"]
         self.momentum.copy_(torch.as_tensor(saved["momentum"]))
+        self.resumed_world = saved.get("world_size", 0)
 
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, poison: bool = False) -> dict:
@@ -485,6 +487,19 @@ def write_config(out_dir: Path, resolved: dict, start_step: int):
     data.write_durably(str(path), json.dumps({**resolved, "from_step": start_step}, indent=1))
 
 
+def scalars_of(record: dict, prefix: str = "") -> dict:
+    """A record's numbers by tag for the dashboards: lists as KEY/00, KEY/01, ..., dicts as KEY/NAME."""
+    scalars = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            value = {f"{i:02d}": v for i, v in enumerate(value)}
+        if isinstance(value, dict):
+            scalars.update(scalars_of(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)):
+            scalars[prefix + key] = value
+    return scalars
+
+
 class MetricsSinks:
     """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
     per-layer lists as KEY/00, ...). A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut
@@ -494,13 +509,18 @@ class MetricsSinks:
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
         self.path = Path(tc.out_dir, "metrics.jsonl") if master else None
+        self.steps_lost = 0  # steps a dead launch logged past the checkpoint resumed: trained again
         if not master:
             return
         write_config(Path(tc.out_dir), resolved, start_step)
         if self.path.exists():
             cut = Path(f"{self.path}.tmp")
             with self.path.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
-                new.writelines(line for line in old if _logged_step(line) <= start_step)
+                for line in old:
+                    if _logged_step(line) <= start_step:
+                        new.write(line)
+                    else:
+                        self.steps_lost += 1
             cut.replace(self.path)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
@@ -520,12 +540,7 @@ class MetricsSinks:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        scalars = {}
-        for key, value in record.items():
-            if isinstance(value, list):
-                scalars.update({f"{key}/{l:02d}": v for l, v in enumerate(value)})
-            elif value is not None and key != "step":
-                scalars[key] = value
+        scalars = scalars_of({k: v for k, v in record.items() if k != "step"})
         if self.tensorboard:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, record["step"])
@@ -961,6 +976,16 @@ class Loop:
         self.logged_step = self.start_step = state.step
         self.ckpt_step = 0
         self.final = False
+        self.resumed = self.restarted_as() if state.step else None
+
+    def restarted_as(self) -> dict:
+        """What this launch resumed as, for its first metrics record; a changed world size is said once."""
+        old = self.state.resumed_world
+        world = self.run.layout.world
+        if old and old != world:
+            say(f"world size changed: {old} -> {world} ranks ({self.run.layout.describe().splitlines()[0]}), resumed "
+                f"at step {self.state.step}, {self.sinks.steps_lost} logged steps trained again")
+        return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
         for step in range(self.start_step, self.run.tc.steps):
@@ -1000,6 +1025,8 @@ class Loop:
             self.non_finite(step)
         if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
             record.update(self.log(step, lr))
+        if step == self.start_step and self.resumed:
+            record["resumed"] = self.resumed
         if self.val_loader is not None and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
             self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
                                                           tc.micro_batch, run.autocast, tc.doc_mask)
@@ -1032,7 +1059,7 @@ class Loop:
         self.final = final
         self.ckpt_time = time.time()
         train = {**self.state.saved(step), "run_id": self.resolved["run_id"],
-                 "schedule_steps": self.schedule.steps}
+                 "schedule_steps": self.schedule.steps, "world_size": self.run.layout.world}
         try:
             self.pending = checkpoint.save(self.ckpt_root, step, {"model": self.model, "optim": self.optimizer,
                                            "train": train}, self.resolved, keep=tc.keep_ckpts, async_save=tc.async_ckpt)

@@ -19,8 +19,8 @@ import tomllib
 
 import numpy as np
 import pytest
+import torch
 
-import parallel
 import train
 from conftest import torchrun
 from model import PRESETS
@@ -38,14 +38,17 @@ def launch_then_restart(corpus_dir, out_dir, *flags):
     train.main(*train.parse_args(run_args(corpus_dir, out_dir, "--steps=6", *common)))
 
 
-def scalars(record: dict) -> dict:
-    """A metrics.jsonl record as the sinks name its numbers: lists per MoE layer as KEY/00, KEY/01, ..."""
+def scalars(record: dict, prefix: str = "") -> dict:
+    """A metrics.jsonl record as the sinks name its numbers: lists per MoE layer as KEY/00, KEY/01, ..., a dict's
+    entries (what a resumed launch records first) as KEY/NAME."""
     out = {}
     for key, value in record.items():
         if isinstance(value, list):
-            out.update({f"{key}/{l:02d}": v for l, v in enumerate(value)})
+            out.update({f"{prefix}{key}/{l:02d}": v for l, v in enumerate(value)})
+        elif isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
         elif value is not None and key != "step":
-            out[key] = value
+            out[prefix + key] = value
     return out
 
 
@@ -190,8 +193,8 @@ def test_readme_toml_configs_are_valid_runs(tmp_path):
         path.write_text(block)
         tc, overrides = train.parse_args([f"--config={path}"])
         cfg = train.model_config(tc, overrides, vocab_size=PRESETS[tc.preset].vocab_size)
-        layout = parallel.Layout(tomllib.loads(block).get("world_size", 1), tc.dp_replicate, tc.ep)
-        layout.check(cfg, tc.global_batch, tc.micro_batch)
+        world = tomllib.loads(block).get("world_size", 1)
+        layout = train.Run.on(tc, cfg, 0, world, torch.device("cpu")).layout  # checked as train.py checks it
     # The second is the Trinity Large seed run: 2,048 GPUs as 16 replicas of FSDP groups of 128, EP 8 in a node.
     assert (layout.world, layout.dp_replicate, layout.dp_shard, layout.ep) == (2048, 16, 128, 8)
     assert (tc.preset, tc.seq_len, tc.global_batch, tc.optimizer, tc.ac) == ("large", 8192, 12288, "muon", "full")
