@@ -25,7 +25,6 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 import checkpoint
 import data
-import parallel
 import train
 from conftest import TINY_MODEL_FLAGS
 from test_resume import ENV, ROOT, rows, run_here, signal_mid_run
