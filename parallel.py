@@ -81,7 +81,8 @@ def use_cuda() -> bool:
 
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
-    collective timeout so a hung rank fails loudly. Without torchrun: one process, no process group."""
+    collective timeout so a hung rank fails loudly and a record of the last collectives. Without torchrun: one process,
+    no process group."""
     cuda = use_cuda()
     if not cuda:
         # glibc hands every freed block over 32 MiB back to the OS, which zero-fills it afresh at the next step (a
@@ -108,6 +109,9 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
                               timeout=timedelta(seconds=timeout_s))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = {"store": dist.PrefixStore(f"/worker/attempt_{attempt}", agent), "rank": rank, "world_size": world}
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        # torch's Flight Recorder: each process group's last 2,000 collectives, which train.py's hang report reads.
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                             device_id=device if cuda else None, **store)
     return rank, world, device
