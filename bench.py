@@ -5,12 +5,14 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
     python bench.py --preset=tiny                        # ms/step, tokens/s, TFLOP/s, MFU, memory, phases, components
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
     python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
-    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 if the step is slower
+    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 slower, 3 numerics moved
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
 
+`--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
+loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
 `--json` prints the report as one JSON object on the last line. On a shared machine compare ratios measured in one
 run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy cores can run 100x slower).
 """
@@ -34,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import DeviceType
+from torch.distributed.tensor import DTensor
 
 import parallel
 import train
@@ -282,12 +285,15 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         f"compile={tc.compile}, {run.dtype or torch.float32} on {world} x {device.type}")
     say(run.layout.describe(cfg.n_experts))
 
-    def step():
+    def step() -> dict:
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(state.step, tc)
-        train.train_step(model, optimizer, batch, tc, run.autocast, state)
+        out = train.train_step(model, optimizer, batch, tc, run.autocast, state)
         state.step += 1
+        return out
 
+    # The first steps from the seeded initialisation: the trajectory --compare checks (they warm up as well).
+    trajectory = record_trajectory(step, model, run.dtype) if args.save or args.compare else None
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":
@@ -323,15 +329,19 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
                          + (", the compiled blocks not split" if tc.compile else ""))
         result.update(phases_ms=phases, components_ms=table, kernels=kernels, step_kernels=merged(kernels))
     result.update(config=config, environment=environment(device))
+    if trajectory:
+        result["trajectory"] = trajectory
     if args.save and rank == 0:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1)
         say(f"saved this run as a baseline: {args.save} (compare a later run with --compare={args.save})")
     if baseline is not None:
         verdict = compare(baseline, result, args.tolerance)
-        for line in verdict.pop("lines"):
+        numerics = compare_numerics(baseline.get("trajectory"), trajectory, args.numerics_tolerance)
+        for line in verdict.pop("lines") + numerics.pop("lines"):
             say(line)
-        result.update(compare=verdict, exit=verdict["exit"])
+        result.update(compare=verdict, numerics=numerics,
+                      exit=EXIT_CODES[verdict["exit"], numerics["moved"] is not None])
     return {k: v for k, v in result.items() if k not in ("kernels", "step_kernels")}  # too long for --json
 
 
@@ -457,6 +467,86 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
         lines.append(f"warning: the environment differs from the baseline's: {'; '.join(env)}")
     return {"exit": int(change > limit), "step_change": change, "noise_band": band, "tolerance": tolerance,
             "components": moved, "step_kernels": step_kernels, "environment": env, "lines": lines}
+
+
+# The numbers, beside the speed: a new torch, CUDA or kernel can also compute differently. The first training steps
+# from the seeded initialisation on the fixed synthetic batch are deterministic up to rounding, so --save records them
+# and --compare names the first step and layer that moved.
+
+NUMERICS_STEPS = 3
+NUMERICS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative: far above fp32 rounding; bf16 keeps 8 bits
+EXIT_CODES = {(0, False): 0, (1, False): 1, (0, True): 3, (1, True): 4}  # (speed verdict, numbers moved): exit code
+
+
+def layer_weights(model) -> dict:
+    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head): the whole model's,
+    the same on every rank (a sharded weight's DTensor sums are reduced over its mesh)."""
+    sums = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        layer = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        w = p.detach().double()
+        total, squares = w.sum(), w.square().sum()
+        if isinstance(w, DTensor):  # each rank's partial sum: the whole one on every rank
+            total = total.full_tensor()
+            squares = squares.full_tensor()
+        before = sums.get(layer, [0.0, 0.0])
+        sums[layer] = [before[0] + total.item(), before[1] + squares.item()]
+    return {layer: [total, math.sqrt(squares)] for layer, (total, squares) in sums.items()}
+
+
+def record_trajectory(step, model, dtype: torch.dtype | None) -> dict:
+    """Every layer's initial weight sum and norm, then NUMERICS_STEPS calls of `step` (train.train_step on the fixed
+    batch): each step's loss, gradient norm and, after its update, the layers' again; with the compute dtype, which
+    sets the default tolerance."""
+    initial = layer_weights(model)
+    steps = []
+    for _ in range(NUMERICS_STEPS):
+        out = step()
+        steps.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "layers": layer_weights(model)})
+    return {"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "initial": initial, "steps": steps}
+
+
+def relative(change: float, scale: float) -> float:
+    """change / scale, where no change is 0 whatever the scale and a NaN or Inf is infinitely far."""
+    ratio = change / scale if scale else (0.0 if change == 0 else math.inf)
+    return ratio if math.isfinite(ratio) else math.inf
+
+
+def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
+    """The numbers' verdict on trajectory `new` against the baseline's `old`: the first step (0: the initial weights)
+    where a value moved beyond `tolerance` (0: NUMERICS_TOLERANCE of the dtype), relative: the loss and the gradient
+    norm to their baseline values, a layer's weight sum and norm to its norm (rounding moves them by about 1e-7 in fp32;
+    a changed norm epsilon or attention precision, by 1e-4 and more). That step's values that moved, layers in the
+    model's order; `moved` is None when nothing did."""
+    tolerance = tolerance or NUMERICS_TOLERANCE[new["dtype"]]
+    verdict = {"moved": None, "tolerance": tolerance}
+    if not old:
+        return verdict | {"lines": ["numerics: the baseline has no trajectory (saved by an older bench.py); not "
+                                    "compared"]}
+    for i, (a, b) in enumerate(zip([{"layers": old["initial"]}] + old["steps"],
+                                   [{"layers": new["initial"]}] + new["steps"])):
+        changes = {key: relative(abs(b[key] - a[key]), abs(a[key])) for key in ("loss", "grad_norm") if key in a}
+        for layer, (total, norm) in a["layers"].items():
+            new_total, new_norm = b["layers"].get(layer, (math.nan, math.nan))
+            changes[layer] = relative(max(abs(new_total - total), abs(new_norm - norm)), norm)
+        moved = {key: change for key, change in changes.items() if change > tolerance}
+        if not moved:
+            continue
+        layers = [key for key in moved if key in a["layers"]]
+        most = max(layers, key=moved.get, default=None)
+        verdict["moved"] = {"step": i, "first_layer": layers[0] if layers else None, "most_moved_layer": most,
+                            "changes": moved}
+        scalars = [f"{key.replace('_', ' ')} {a[key]:.6g} -> {b[key]:.6g} ({moved[key]:.1e})"
+                   for key in ("loss", "grad_norm") if key in moved]
+        where = (f"first layer {layers[0]} ({moved[layers[0]]:.1e}), most {most} ({moved[most]:.1e}), {len(layers)} of "
+                 f"{len(a['layers'])} layers moved" if layers else "no layer's weights moved yet")
+        when = f"step {i} of {len(new['steps'])}" if i else "the initial weights"
+        return verdict | {"lines": [f"numerics MOVED beyond {tolerance:.0e} (relative) at {when}: "
+                                    f"{'; '.join(scalars + [where])}: exit 3"]}
+    return verdict | {"lines": [f"numerics: the initial weights and the first {len(new['steps'])} steps match the "
+                                f"baseline's within {tolerance:.0e} (relative): loss, gradient norm, every layer's "
+                                f"weights"]}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -667,11 +757,17 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "step":
         add("--save", default="", metavar="PATH",
-            help="write this run (times, components, kernel fingerprint, environment) as a baseline")
+            help="write this run (times, components, kernel fingerprint, environment, the first steps' numbers) as a "
+                 "baseline")
         add("--compare", default="", metavar="PATH", help="compare this run with a --save baseline of the same "
-            "flags; exit 1 when the step is slower beyond the noise band and --tolerance")
+            "flags; exit 1 when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, "
+            "4 both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
+        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
+            help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' loss, gradient norm or a "
+                 f"layer's weights (to their norm) past which the numbers moved, exit 3 (0: 1e-4 in fp32, 1e-2 in "
+                 f"bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")

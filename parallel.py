@@ -111,6 +111,9 @@ def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
                                f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
         torch.cuda.set_device(device)
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        # torch's Flight Recorder: each process group's last 2,000 collectives, which train.py's hang report reads.
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     global _store
     _store = _round_store(rank, world, timedelta(seconds=timeout_s))
     if rank >= used:

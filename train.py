@@ -25,11 +25,13 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -141,8 +143,14 @@ class TrainConfig:
     lease_wait: float = option(60.0, "seconds to wait for another live job to leave OUT_DIR before refusing (keep "
                                      "it below --step_timeout)", NON_NEGATIVE)
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
+    straggler_threshold: float = option(0.2, "at each log, name the slowest rank when its own time per step (data + "
+                                             "compute, not waiting) is more than this fraction above the other ranks' "
+                                             "median (0: never)", OFF_OR_MORE)
     crash_at_step: int = option(-1, "fault drill: the last rank dies after this step (first launch only)")
-    stall_at_step: int = option(-1, "fault drill: this step hangs, for the watchdog (first launch only)")
+    stall_at_step: int = option(-1, "fault drill: the last rank hangs in this step, for the watchdog (first launch "
+                                    "only)")
+    straggle_rank: int = option(-1, "straggler drill: this rank's steps take twice as long (it sleeps as long as its "
+                                    "own work took)")
     nan_at_step: int = option(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
     skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
@@ -562,13 +570,15 @@ class MetricsSinks:
 class Guard:
     """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
     step in flight, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`,
-    the watchdog dumps every thread's stack and exits 3, so torchrun restarts the job from the newest checkpoint."""
+    the watchdog dumps every thread's stack, writes the hang report (report_hang, into `hang_dir`) and exits 3, so
+    torchrun restarts the job from the newest checkpoint."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, hang_dir: str | None = None):
         self.requested = self.interrupted = False
         self.previous = {sig: signal.signal(sig, self._signal)
                          for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         self.timeout_s = timeout_s
+        self.hang_dir = hang_dir
         self.last_beat = time.time()
         self.step = 0
         self.stopped = threading.Event()
@@ -591,6 +601,11 @@ class Guard:
                       f"stacks of every thread follow, then exit 3", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                if self.hang_dir:
+                    try:
+                        report_hang(self.hang_dir, self.step, self.timeout_s)
+                    except Exception as e:  # an unwritable OUT_DIR must not keep the process from exiting
+                        print(f"watchdog: no hang report ({e})", file=sys.stderr, flush=True)
                 os._exit(3)
 
     def close(self):
@@ -598,6 +613,102 @@ class Guard:
         self.stopped.set()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+# --- hang reports: what every rank was doing when no step completed (the watchdog writes them)
+
+def collectives() -> dict:
+    """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
+    "last": [the last collectives, each with its group and sequence number]}; entered > completed means the rank
+    waits in collective number `entered`. {} in one process; {"error": why} without a recorder."""
+    if not dist.is_initialized():
+        return {}
+    backend = dist.get_backend()
+    # NCCL keeps its own recorder (CUDA builds); every other backend, gloo too, records into the generic one.
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json" if backend == "nccl" else "_dump_fr_trace_json",
+                   None)
+    if dump is None:
+        return {"error": f"torch {torch.__version__} has no Flight Recorder for {backend}"}
+    trace = json.loads(dump(True, False))
+    status = trace.get("pg_status", {})
+    groups = {}
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        seen = status.get(name, {})
+        groups[name] = {"ranks": dist.get_process_group_ranks(group),
+                        "entered": int(seen.get("last_enqueued_collective", -1)),
+                        "completed": int(seen.get("last_completed_collective", -1))}
+    last = [{"group": e["process_group"][0], "seq": e["collective_seq_id"], "op": e["profiling_name"],
+             "sizes": e["input_sizes"]} for e in trace.get("entries", [])[-12:]]
+    return {"groups": groups, "last": last}
+
+
+def hang_verdict(records: dict[int, dict], world: int) -> str:
+    """Rank 0's sentence on a hang from the ranks' records ({rank: collectives() and host}): for each process group in
+    which a rank waits, the group's ranks that never entered that collective; and the ranks that sent no record."""
+    def named(ranks) -> str:
+        return ", ".join(f"rank {r}" + (f" ({records[r]['host']})" if r in records else "") for r in ranks)
+
+    groups = {}  # (name, ranks) -> {rank: its view of the group}
+    for rank, record in records.items():
+        for name, group in record.get("groups", {}).items():
+            groups.setdefault((name, tuple(group["ranks"])), {})[rank] = group
+    found = []
+    for (name, ranks), views in sorted(groups.items()):
+        waiting = {r: v["entered"] for r, v in views.items() if v["entered"] > v["completed"]}
+        if not waiting:
+            continue
+        seq = max(waiting.values())
+        behind = [r for r in ranks if r in views and views[r]["entered"] < seq]
+        op = next((e["op"] for r in waiting for e in records[r].get("last", [])
+                   if e["group"] == name and e["seq"] == seq), "collective")
+        waiters = [r for r in waiting if waiting[r] == seq]
+        if behind:
+            found.append(f"{named(behind)} never reached {op} #{seq} of process group {name} (ranks "
+                         f"{', '.join(map(str, ranks))}), in which {named(waiters)} "
+                         f"{'waits' if len(waiters) == 1 else 'wait'}")
+    missing = [r for r in range(world) if r not in records]
+    if missing:
+        found.append(f"{named(missing)} sent no record (stuck holding the interpreter, or gone)")
+    errors = {record["error"] for record in records.values() if "error" in record}
+    return "hang: " + ("; ".join(found) or "no rank is behind another in a collective; read their stacks") + (
+        f" ({'; '.join(errors)})" if errors else "")
+
+
+def report_hang(hang_dir: str, step: int, timeout_s: float):
+    """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
+    torchrun the ranks also exchange their records through the job's store, which answers while collectives hang, and
+    rank 0 prints hang_verdict; the others wait for it (bounded), as their exit would break the collective rank 0
+    waits in and end it before it speaks."""
+    rank, world = parallel.rank_world()
+    record = {"host": socket.gethostname(), **collectives()}
+    os.makedirs(hang_dir, exist_ok=True)
+    with open(os.path.join(hang_dir, f"rank_{rank:05d}.txt"), "w") as f:
+        f.write(f"rank {rank} of {world} on {record['host']}, pid {os.getpid()}: no step completed for "
+                f"{timeout_s:.0f}s after step {step}\n")
+        for name, group in record.get("groups", {}).items():
+            f.write(f"process group {name} (ranks {group['ranks']}): the last collective entered is "
+                    f"#{group['entered']}, the last completed #{group['completed']} (-1: none)\n")
+        f.write("last collectives (process group, sequence number, operation, input sizes):\n")
+        f.writelines(f"  {e['group']} #{e['seq']} {e['op']} {e['sizes']}\n" for e in record.get("last", []))
+        f.write(f"{record.get('error', '')}\nstacks:\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    patience = timedelta(seconds=max(10.0, min(60.0, timeout_s)))  # the other ranks' watchdogs fire about together
+    store.set(f"hang/{rank}", json.dumps(record))
+    if rank != 0:
+        with contextlib.suppress(Exception):  # rank 0 may be the one that cannot speak
+            store.wait(["hang/said"], 2 * patience)
+        return
+    keys = [f"hang/{r}" for r in range(world)]
+    with contextlib.suppress(Exception):  # past it, the missing ranks are named
+        store.wait(keys, patience)
+    records = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}
+    print(f"{hang_verdict(records, world)}; each rank's stack and last collectives are in {hang_dir}/", file=sys.stderr,
+          flush=True)
+    store.set("hang/said", "1")
 
 
 # --- the run's output directory: one live job and one run per OUT_DIR, checked before anything heavy
@@ -924,8 +1035,9 @@ def flops_per_token(run: Run) -> float:
 
 class Drills:
     """The faults a run injects on purpose, to show it survives them: a dying rank (torchrun restarts the job, which
-    resumes), a hung step (the watchdog), a NaN loss (the non-finite guard), a collapsed router (expert balancing).
-    The first two fire on the first launch only, so the restarted job can finish."""
+    resumes), a hung rank (the watchdog and its hang report), a NaN loss (the non-finite guard), a collapsed router
+    (expert balancing), a slow rank (the straggler report). The first two fire on the first launch only, so the
+    restarted job can finish."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -938,10 +1050,16 @@ class Drills:
             moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
 
     def before_step(self, step: int) -> bool:
-        """--stall_at_step hangs here; True when --nan_at_step makes this step's loss NaN."""
-        if step == self.tc.stall_at_step and self.first_launch:
+        """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); True when
+        --nan_at_step makes this step's loss NaN."""
+        if step == self.tc.stall_at_step and self.first_launch and self.run.rank == self.run.layout.world - 1:
             time.sleep(10 * self.tc.step_timeout + 60)
         return step == self.tc.nan_at_step
+
+    def straggle(self, seconds: float):
+        """--straggle_rank: that rank sleeps `seconds`, as long as its own work of the step took."""
+        if self.run.rank == self.tc.straggle_rank:
+            time.sleep(seconds)
 
     def after_step(self, step: int):
         """--crash_at_step: the last rank exits abruptly after this step."""
@@ -949,6 +1067,61 @@ class Drills:
         if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
             print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+# --- stragglers: each rank's own time per step, gathered at every log
+
+STEP_PARTS = ("data", "compute", "wait")
+
+
+class StepTimes:
+    """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
+    its own step) and wait (blocked in the step's closing all-reduce until the slowest rank arrives). FSDP's gathers
+    inside the step also wait for a late rank, and that wait counts as compute: a rank late before them (a slow read)
+    shows in its data time while every rank's compute grows alike."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.sums_P = torch.zeros(len(STEP_PARTS), dtype=torch.float64)
+        self.steps = 0
+        self.hosts = [socket.gethostname()] * run.layout.world
+        if run.layout.world > 1:  # once: each rank's host, to name a straggler where a person can find it
+            dist.all_gather_object(self.hosts, socket.gethostname())
+
+    def add(self, data_s: float, compute_s: float, wait_s: float):
+        self.sums_P += torch.tensor([data_s, compute_s, wait_s], dtype=torch.float64)
+        self.steps += 1
+
+    def gather(self, threshold: float) -> tuple[dict, str | None]:
+        """Every rank's mean seconds per step since the last call, gathered in one all-reduce: slowest()'s record and
+        sentence."""
+        times_RP = torch.zeros(self.run.layout.world, len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
+        times_RP[self.run.rank] = self.sums_P / max(self.steps, 1)
+        parallel.all_reduce_sum_(times_RP)
+        self.sums_P.zero_()
+        self.steps = 0
+        return slowest(times_RP.tolist(), self.hosts, threshold)
+
+
+def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> tuple[dict, str | None]:
+    """The record's per-rank seconds per step (data_s_ranks, ...), the slowest rank and how much longer its own time
+    (data + compute) is than the other ranks' median; past `threshold`, also the sentence naming it and its host."""
+    record = {f"{part}_s_ranks": [round(t[p], 4) for t in times_RP] for p, part in enumerate(STEP_PARTS)}
+    if len(times_RP) < 2:
+        return record, None
+    own_R = [data + compute for data, compute, _ in times_RP]
+    rank = max(range(len(own_R)), key=own_R.__getitem__)
+    others = [t for r, t in enumerate(times_RP) if r != rank]
+    median = statistics.median(data + compute for data, compute, _ in others)
+    slower = own_R[rank] / median - 1 if median > 0 else 0.0
+    record.update(slowest_rank=rank, slowest_vs_median=round(slower, 4))
+    if not threshold or slower <= threshold:
+        return record, None
+    data, compute, _ = times_RP[rank]
+    wait = statistics.median(t[2] for t in others)
+    return record, (f"straggler: rank {rank} on {hosts[rank]} takes {own_R[rank]:.3f}s per step of its own (data "
+                    f"{data:.3f}s, compute {compute:.3f}s), {100 * slower:.0f}% above the other ranks' median of "
+                    f"{median:.3f}s; they wait {wait:.3f}s per step for it")
 
 
 class Loop:
@@ -968,7 +1141,8 @@ class Loop:
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak = peak_tflops(run.device, tc.peak_tflops)
         self.tokens_per_step = tc.global_batch * tc.seq_len
-        self.guard = Guard(tc.step_timeout)
+        self.guard = Guard(tc.step_timeout, os.path.join(tc.out_dir, "hang"))
+        self.times = StepTimes(run)
         self.ckpt_root = os.path.join(tc.out_dir, "checkpoints")
         self.drills = drills
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
@@ -1004,16 +1178,24 @@ class Loop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         poison = self.drills.before_step(step)
+        t_start = time.perf_counter()
         batch = self.loader.batch(step)
+        t_data = time.perf_counter()
         out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, poison=poison)
-        # One all-reduce for the loop's decisions: a preemption signal on any rank, a checkpoint write in flight on any
-        # rank, rank 0's clock saying a checkpoint is due, and the global batch's token-id sum (a checksum of the data
-        # stream, for metrics.jsonl; float64 keeps integers below 2**53 exact).
+        self.drills.straggle(time.perf_counter() - t_data)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()  # the device's compute, not only the host's launches
+        t_compute = time.perf_counter()
+        # One all-reduce for the loop's decisions, which closes the step (each rank's wait for the slowest): a
+        # preemption signal on any rank, a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is
+        # due, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl; float64 keeps
+        # integers below 2**53 exact).
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         preempted, writing, clock_due, tokens_sum = parallel.all_reduce_sum_(torch.tensor(
             [self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
             device=run.device)).tolist()
+        self.times.add(t_data - t_start, t_compute - t_data, time.perf_counter() - t_compute)
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
             self.complete()  # so a crash loses at most ckpt_every steps
         self.guard.beat(step + 1)
@@ -1100,13 +1282,17 @@ class Loop:
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
+        # A launch's first step (compilation, cold caches) is recorded but not judged.
+        times, straggler = self.times.gather(tc.straggler_threshold if step > self.start_step else 0.0)
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
         say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
                      f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
                      f" | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                      f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
                      f" | eta {eta / 60:.1f}m")
-        return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal)
+        if straggler:
+            say(straggler)
+        return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal, **times)
 
     def finish(self) -> dict:
         """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""

@@ -53,10 +53,10 @@ def run_worker(fn, *args):
     parallel.finish(0)
 
 
-def torchrun(nproc: int, *args: str, timeout_s: int = 400, device: torch.device = torch.device("cpu")):
+def torchrun(nproc: int, *args: str, timeout_s: int = 400, device: torch.device = torch.device("cpu")) -> str:
     """Run `python -m torch.distributed.run --nproc_per_node=nproc ARGS` from the repository root, on gloo ranks
-    (NCCL ones on a cuda `device`); kill the whole process group if it hangs, so nothing is left running, and fail
-    with the end of its output."""
+    (NCCL ones on a cuda `device`), and return its output; kill the whole process group if it hangs, so nothing is
+    left running, and fail with the end of its output."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
@@ -70,3 +70,4 @@ def torchrun(nproc: int, *args: str, timeout_s: int = 400, device: torch.device 
         output, _ = proc.communicate()
         pytest.fail(f"{nproc}-rank run did not finish in {timeout_s}s:\n{output[-6000:]}")
     assert proc.returncode == 0, f"{nproc}-rank run failed:\n{output[-6000:]}"
+    return output

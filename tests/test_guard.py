@@ -1,13 +1,17 @@
-"""bench.py --save / --compare, the throughput guard: a planted regression is named with its kernels and fails the
-run; the same measurements stay quiet; another configuration is refused and another environment is named.
+"""bench.py --save / --compare, the throughput and numerics guard: a planted regression is named with its kernels and
+fails the run; a planted numerics change (another norm epsilon, attention in bf16) is named with its first step and
+layer and exits 3; the same measurements and the same code stay quiet; another configuration is refused and another
+environment is named.
 
     python -m pytest tests/test_guard.py -q
 
 Timing on a shared CPU is noisy, so the verdict's thresholds are tested on records built from one measured run
-(bench.compare is a pure function), and the one end-to-end comparison plants a regression several times the noise."""
+(bench.compare and bench.compare_numerics are pure functions), and the one end-to-end comparison plants a regression
+several times the noise. The numbers are deterministic on the CPU: the same code reproduces them bitwise."""
 
 import copy
 import json
+import math
 
 import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -179,3 +183,95 @@ def test_a_missing_or_foreign_baseline_is_one_sentence(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--tolerance=-0.1"])
     assert "argument --tolerance: -0.1 must be at least 0" in str(e.value) + capsys.readouterr().err
+
+
+# --- the numbers: the first training steps from the seeded initialisation, beside the speed
+
+LAYERS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
+
+
+def test_baseline_records_the_first_steps_numbers(baseline):
+    _, record = baseline
+    trajectory = record["trajectory"]
+    assert trajectory["dtype"] == "fp32" and len(trajectory["steps"]) == bench.NUMERICS_STEPS
+    assert list(trajectory["initial"]) == LAYERS
+    assert trajectory["initial"]["norm"] == [64.0, 8.0]  # the final norm's 64 gains start at 1: sum 64, norm 8
+    first = trajectory["steps"][0]
+    assert abs(first["loss"] - math.log(512)) < 0.2  # about uniform over the 512-token vocabulary at initialisation
+    assert first["grad_norm"] > 0 and list(first["layers"]) == LAYERS
+    assert first["layers"]["head"] != trajectory["initial"]["head"]  # the weights after the step's update
+
+
+def compare_again(path: str, capsys) -> tuple[int, dict, str]:
+    """bench.main --compare on the baseline's flags, quick (no profile, one timed step): exit code, report, output."""
+    code = bench.main(FLAGS + [f"--compare={path}", "--breakdown=false", "--warmup=0", "--iters=1", "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out.strip().splitlines()[-1]), out
+
+
+def test_the_same_code_reproduces_its_numbers(baseline, capsys):
+    path, _ = baseline
+    code, report, out = compare_again(path, capsys)
+    assert report["numerics"]["moved"] is None and report["numerics"]["tolerance"] == 1e-4
+    assert code == report["compare"]["exit"]  # only the speed verdict (noisy here) can fail the run
+    assert ("numerics: the initial weights and the first 3 steps match the baseline's within 1e-04 (relative): loss, "
+            "gradient norm, every layer's weights") in out
+
+
+def bf16_attend(q, k, v, mask):
+    """Attention computed in bf16: the kind of precision change a new kernel choice makes."""
+    return ATTEND(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask).to(q.dtype)
+
+
+def wide_epsilon_norm(self, x):
+    """RMSNorm with ten times its epsilon, 1e-4 instead of 1e-5."""
+    return model._RMSNorm.apply(x, self.weight, 10 * self.eps)
+
+
+@pytest.mark.parametrize("owner, name, planted", [(model, "attend", bf16_attend),
+                                                  (model.RMSNorm, "forward", wide_epsilon_norm)])
+def test_compare_names_the_first_step_and_layer_a_planted_change_moved(baseline, monkeypatch, capsys, owner, name,
+                                                                       planted):
+    path, record = baseline
+    monkeypatch.setattr(owner, name, planted)
+    code, report, out = compare_again(path, capsys)
+    moved = report["numerics"]["moved"]
+    assert code == (4 if report["compare"]["exit"] else 3)  # 3: the numbers moved; 4: and the step is slower
+    assert moved["step"] == 1 and moved["first_layer"] == "embed"  # the first update already differs
+    assert moved["changes"]["grad_norm"] > 1e-4
+    assert set(moved["changes"]) - {"loss", "grad_norm"} <= set(LAYERS) and moved["most_moved_layer"] in LAYERS
+    assert "numerics MOVED beyond 1e-04 (relative) at step 1 of 3: " in out and "first layer embed" in out
+    assert "grad norm {:.6g} -> ".format(record["trajectory"]["steps"][0]["grad_norm"]) in out
+
+
+def planted(trajectory: dict, step: int, layer: str, change: float) -> dict:
+    """The trajectory with `layer`'s weight sum moved by `change` times its norm after `step` (0: initially)."""
+    new = copy.deepcopy(trajectory)
+    weights = new["initial"] if step == 0 else new["steps"][step - 1]["layers"]
+    weights[layer][0] += change * weights[layer][1]
+    return new
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 1e-3])
+def test_numerics_verdict_follows_the_tolerance_step_by_step(baseline, tolerance):
+    _, record = baseline
+    trajectory = record["trajectory"]
+    limit = tolerance or 1e-4  # 0: the fp32 default
+    assert bench.compare_numerics(trajectory, copy.deepcopy(trajectory), tolerance)["moved"] is None
+    within = bench.compare_numerics(trajectory, planted(trajectory, 2, "layers.2", 0.9 * limit), tolerance)
+    assert within["moved"] is None
+    verdict = bench.compare_numerics(trajectory, planted(trajectory, 2, "layers.2", 1.1 * limit), tolerance)
+    assert verdict["moved"]["step"] == 2 and verdict["moved"]["changes"] == {"layers.2": pytest.approx(1.1 * limit)}
+    assert verdict["lines"][0].startswith(f"numerics MOVED beyond {limit:.0e} (relative) at step 2 of 3: first layer "
+                                          f"layers.2")
+    initial = bench.compare_numerics(trajectory, planted(trajectory, 0, "head", 1.1 * limit), tolerance)
+    assert initial["moved"]["step"] == 0 and "at the initial weights: first layer head" in initial["lines"][0]
+    broken = copy.deepcopy(trajectory)
+    broken["steps"][2]["loss"] = math.nan
+    assert bench.compare_numerics(trajectory, broken, tolerance)["moved"]["changes"] == {"loss": math.inf}
+
+
+def test_a_baseline_without_numbers_is_compared_on_speed_only(baseline):
+    _, record = baseline
+    verdict = bench.compare_numerics(None, record["trajectory"], 0.0)
+    assert verdict["moved"] is None and "the baseline has no trajectory" in verdict["lines"][0]
