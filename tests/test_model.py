@@ -429,11 +429,9 @@ def reference_moe(moe, x_BTD):
     return torch.stack(rows).view(B, T, D), (None, moe.aux_loss_coef * aux, moe.z_loss_coef * z)
 
 
-@pytest.mark.parametrize("combine", ["index_add", "gather"])  # CPU's default, and CUDA's atomic-free one
-def test_moe_forward_and_gradients_match_token_by_token_reference(combine):
+def test_moe_forward_and_gradients_match_token_by_token_reference():
     cfg = small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3)
     moe = Transformer(cfg).moe_layers()[0]
-    moe.combine = combine
     g = torch.Generator().manual_seed(0)
     randomise_(moe, g, scale=0.2)
     x = torch.randn(3, 10, cfg.dim, generator=g)
@@ -469,13 +467,13 @@ class OpRecorder(TorchDispatchMode):
 
 
 def test_training_forward_and_backward_never_read_the_device():
-    """The training path as it runs on CUDA (bf16 autocast, the gather combine, grouped GEMM, the fused head's rounding
+    """The training path as it runs on CUDA (bf16 autocast, grouped GEMM, the fused head's rounding
     path, balance losses, document masks) asks for no host read in forward or backward: every op is recorded on the
     CPU. It catches one, the exact fp32 head's check of its exponential sums; a read inside a CUDA kernel's own
     launcher shows only on a GPU (tests/test_cuda.py runs the MoE layer under torch's sync debug mode)."""
     model = Transformer(small_cfg(aux_loss_coef=1e-2, z_loss_coef=1e-3))
     for moe in model.moe_layers():
-        moe.combine, moe.experts.impl = "gather", "grouped"
+        moe.experts.impl = "grouped"
     g = torch.Generator().manual_seed(0)
     tokens_BT, targets_BT = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
     doc_ids_BT = torch.arange(32).repeat(2, 1) // 10
