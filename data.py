@@ -14,6 +14,7 @@ after every document) and manifest.json, written last.
 """
 
 import argparse
+import bisect
 import contextlib
 import functools
 import glob
@@ -48,6 +49,11 @@ STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_tes
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
 DOC_CHARS = 2**15  # a plain-text document's most characters: ~8k tokens of English, about one long sequence
 FEISTEL_ROUNDS = 6
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # Megatron-LM's .idx: magic, version, dtype code, sequences, documents + 1
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # 6, 7: floats
+MIX_PERIOD = 2**12  # a mixture's rounding repeats after this many steps
+MIX_STRIDE = 2531  # odd and near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
 SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
 # GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
 # themselves, the others for chr(256), chr(257)... in byte order
@@ -485,13 +491,17 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     return manifest
 
 
-# --- reading shards back
+# --- reading: sources (prepared directories, Megatron-LM datasets), mixtures of them, batches
 
 
 def load_manifest(data_dir: str) -> dict:
-    """The manifest of a prepared directory, after checking every shard's header and size against it."""
+    """The manifest of a prepared directory, after checking every shard's header and size against it; for a
+    Megatron-LM dataset's path prefix (PREFIX.bin and PREFIX.idx), one made from its index."""
+    if os.path.isfile(data_dir + ".idx"):
+        return _megatron_manifest(data_dir)
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
-    _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it")
+    _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it, or name a "
+             f"Megatron-LM dataset by its path prefix (PREFIX for PREFIX.bin and PREFIX.idx)")
     path = os.path.join(data_dir, "manifest.json")
     _require(os.path.isfile(path), f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
     try:
@@ -526,6 +536,46 @@ def load_manifest(data_dir: str) -> dict:
     return manifest
 
 
+def _megatron_manifest(prefix: str) -> dict:
+    """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
+    name). Its .idx is a header, each sequence's length (int32) and byte offset into the .bin (int64), then the
+    sequence each document starts at (int64, ending with the number of sequences); it is checked, never read whole."""
+    index, bin_path = prefix + ".idx", prefix + ".bin"
+    fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
+    _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
+    with open(index, "rb") as f:
+        raw = f.read(MEGATRON_HEADER.size)
+    _require(len(raw) == MEGATRON_HEADER.size and raw.startswith(MEGATRON_MAGIC), f"{index} is not a Megatron-LM "
+             f"index (it starts {raw[:9]!r}, expected {MEGATRON_MAGIC!r}); {fix}")
+    _, version, code, sequences, document_starts = MEGATRON_HEADER.unpack(raw)
+    _require(version == 1 and code in MEGATRON_DTYPES, f"{index} has version {version} and token type code {code}, "
+             f"but this reads version 1 with integer tokens (codes {sorted(MEGATRON_DTYPES)}); {fix}")
+    arrays = MEGATRON_HEADER.size + 12 * sequences + 8 * document_starts
+    size = os.path.getsize(index)
+    _require(sequences > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated or corrupt: its "
+             f"header promises {sequences} sequences and {document_starts - 1} documents ({arrays} bytes, or "
+             f"{arrays + sequences} with modes) but the file has {size} bytes; {fix}")
+    lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
+    pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
+    starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
+    _require(starts[0] == 0 and starts[-1] == sequences, f"{index} has documents from sequence {starts[0]} to "
+             f"{starts[-1]}, expected 0 to its {sequences} sequences; {fix}")
+    dtype = np.dtype(MEGATRON_DTYPES[code])
+    tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
+    _require(os.path.getsize(bin_path) == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index "
+             f"promises {tokens} tokens ({tokens * dtype.itemsize} bytes) but the file has "
+             f"{os.path.getsize(bin_path)} bytes; {fix}")
+    # the sizes and the index's first and last MiB: cheap for a terabyte dataset, and a copy keeps them
+    with open(index, "rb") as f:
+        head = f.read(2**20)
+        f.seek(max(0, size - 2**20))
+        tail = f.read()
+    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)
+    return {"format": "megatron", "dtype": dtype.name, "sequences": sequences, "documents": document_starts - 1,
+            "fingerprint": digest.hexdigest()[:16],
+            "splits": {"train": [{"file": os.path.basename(bin_path), "tokens": tokens}], "val": []}}
+
+
 def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     """index mapped through a seeded permutation of range(n) in O(1) memory: a Feistel network permutes the smallest
     2k-bit domain holding n (< 4n values); re-applying it to values >= n ("cycle-walking") lands back in range(n)."""
@@ -548,73 +598,227 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     return x.astype(np.int64)
 
 
-class DataLoader:
-    """Batches from a prepared directory. batch(step) depends only on (seed, step), so the loader has no state to
-    save: the global batch is the same for any world_size, rank r reads rows r*B:(r+1)*B of it, and every sequence of
-    an epoch is read once (a run's seed, sequence length and global batch cannot change on resume: train.py checks)."""
+class _Source:
+    """One split of a prepared directory, read by memory map: sequence k of its stream is window permute(k mod n) of
+    epoch k // n (val: window k mod n), the n windows being seq_len + 1 tokens at stride seq_len inside each shard; a
+    token's document is the number of end-of-texts before it in its window."""
+    offset = HEADER_BYTES  # where a shard's tokens start
 
-    def __init__(self, data_dir: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
+    def __init__(self, path: str, manifest: dict, split: str, seq_len: int, seed: int, vocab_size: int | None):
+        self.path = path
+        self.split = split
+        self.seq_len = seq_len
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest.get("eot_id"), manifest["dtype"]
+        _require(bool(self.shards), f"{path} has no {split} split (it was prepared with --val_fraction=0, or is a "
+                 f"Megatron-LM dataset); prepare it again with a --val_fraction above 0 to have one")
+        shortest = min(self.shards, key=lambda s: s["tokens"])
+        _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
+                 f"{split} shard {shortest['file']} in {path} holds only {shortest['tokens']}; lower seq_len, or "
+                 f"prepare more data (or a larger --val_fraction for the val split)")
+        self.first_window = np.cumsum([0] + [(shard["tokens"] - 1) // seq_len for shard in self.shards], dtype=np.int64)
+        self.num_sequences = int(self.first_window[-1])
+        self._shard = functools.lru_cache(64)(self._open)  # a few open memmaps: a corpus can have more shards than fds
+
+    def _file(self, k: int) -> str:
+        return os.path.join(self.path, self.shards[k]["file"])
+
+    def _open(self, k: int) -> np.memmap:
+        return np.memmap(self._file(k), self.dtype, "r", offset=self.offset, shape=(self.shards[k]["tokens"],))
+
+    def read(self, sample_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows_NT1: the windows of seq_len + 1 tokens of stream sequences sample_N, as int64; doc_ids_NT)."""
+        epoch, sequence = np.divmod(sample_N, self.num_sequences)  # epoch ascends, so its runs concatenate in order
+        if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
+            sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
+                                       for e in np.unique(epoch)])
+        shard = np.searchsorted(self.first_window, sequence, side="right") - 1
+        start = (sequence - self.first_window[shard]) * self.seq_len
+        rows_NT1 = np.stack([self._shard(int(k))[s:s + self.seq_len + 1] for k, s in zip(shard, start)])
+        rows_NT1 = rows_NT1.astype(np.int64)
+        bad_NT1 = (rows_NT1 < 0) | (rows_NT1 >= (self.vocab_size or math.inf))  # a file changed after its check
+        if bad_NT1.any():
+            n, t = np.unravel_index(bad_NT1.argmax(), bad_NT1.shape)
+            raise DataError(f"{self.split} shard {self._file(shard[n])} holds token id {rows_NT1[n, t]} (at token "
+                            f"{start[n] + t}), beyond the model's vocab_size={self.vocab_size}; check --tokenizer, "
+                            f"prepare the data again, or raise vocab_size")
+        return rows_NT1, self._doc_ids(start, rows_NT1[:, :-1])
+
+    def _doc_ids(self, start_N: np.ndarray, tokens_NT: np.ndarray) -> np.ndarray:
+        is_eot_NT = (tokens_NT == self.eot_id).astype(np.int64)  # an end-of-text belongs to the document it ends
+        return is_eot_NT.cumsum(1) - is_eot_NT
+
+
+class _MegatronSource(_Source):
+    """A Megatron-LM dataset's .bin, whose documents start where its index says (it may hold no end-of-text tokens):
+    a token's document is found by binary search in the memory-mapped index, never loaded whole."""
+    offset = 0
+
+    def __init__(self, path: str, manifest: dict, *args):
+        super().__init__(path, manifest, *args)
+        sequences = manifest["sequences"]
+        self.itemsize = np.dtype(self.dtype).itemsize
+        self.pointers = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
+        self.first_sequence = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 12 * sequences,
+                                        (manifest["documents"] + 1,))
+
+    def _file(self, k: int) -> str:
+        return self.path + ".bin"
+
+    def _document(self, position):
+        sequence = np.searchsorted(self.pointers, position * self.itemsize, side="right") - 1
+        return np.searchsorted(self.first_sequence, sequence, side="right") - 1
+
+    def _doc_ids(self, start_N: np.ndarray, tokens_NT: np.ndarray) -> np.ndarray:
+        position_NT = start_N[:, None] + np.arange(tokens_NT.shape[1])
+        return self._document(position_NT) - self._document(start_N)[:, None]
+
+
+class Mixture:
+    """--data: PATH (a prepared directory, or a Megatron-LM dataset's path prefix), or PATH:WEIGHT,PATH:WEIGHT,...
+    (a missing weight is 1; weights are relative), then ;STEP=PATH:WEIGHT,... for each phase that starts at a later
+    step. paths: the sources in order of first mention; phases: (first step, weights_S) with weights_S over all
+    sources, 0 where a phase does not name one; manifests: each source's."""
+
+    def __init__(self, spec: str, tokenizer: str | None = None):
+        example = "e.g. 'data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6'"
+        phases = []  # (first step, {path: weight})
+        for text in spec.split(";"):
+            step = re.fullmatch(r"\s*(\d[\d_]*)\s*=(.*)", text, re.DOTALL)
+            start = int(step[1]) if step else None
+            rule = "apply from step 0" if not phases else "start with STEP=, a step after the phase before's"
+            _require(start in (0, None) if not phases else start is not None and start > phases[-1][0],
+                     f"--data={spec}: phase {len(phases) + 1} ({text.strip()!r}) must {rule}; {example}")
+            weights = {}
+            for item in (step[2] if step else text).split(","):
+                path, _, weight = item.strip().rpartition(":")
+                try:
+                    weight = float(weight)
+                except ValueError:  # no weight: the whole item is the path
+                    path, weight = item.strip(), 1.0
+                _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,
+                         f"--data={spec}: {item.strip()!r} should be a source named once per phase, with a weight of "
+                         f"0 or more; {example}")
+                weights[os.path.normpath(path)] = weight
+            _require(sum(weights.values()) > 0, f"--data={spec}: the weights of phase {len(phases) + 1} are all 0; "
+                     f"give one source a positive weight")
+            phases.append((start or 0, weights))
+        self.paths = list(dict.fromkeys(path for _, weights in phases for path in weights))
+        self.phases = [(start, np.array([weights.get(p, 0.0) for p in self.paths])) for start, weights in phases]
+        self.manifests = [load_manifest(path) for path in self.paths]
+        named = [manifest for manifest in self.manifests if "tokenizer" in manifest]  # a Megatron dataset names none
+        self.tokenizer = named[0] if named else None  # the manifest fields of the data's tokenizer
+        if tokenizer is None:
+            return
+        enc = get_encoding(tokenizer) if _is_folder(tokenizer) or not named else None  # loaded only when needed
+        name = enc.name.removesuffix("_offline") if enc else tokenizer.removesuffix("_offline")
+        for path, manifest in zip(self.paths, self.manifests):  # compared by the name the data records
+            _require(manifest.get("tokenizer", name) == name, f"{path} was tokenized with {manifest.get('tokenizer')} "
+                     f"but the model is configured for {name}; prepare the data with --encoding {name} or point the "
+                     f"run at data tokenized with it")
+        if not named:  # data that names no tokenizer has --tokenizer's vocabulary
+            self.tokenizer = {"tokenizer": name, "vocab_size": enc.n_vocab,
+                              **({"tokenizer_path": enc.path} if isinstance(enc, HFTokenizer) else {})}
+
+    def identity(self) -> dict:
+        """What a run records of its data, and a resume compares: each source's fingerprint (a moved copy keeps it),
+        each phase's weights (summing to 1), and one fingerprint of the two (a lone source's: its own)."""
+        fingerprints = {path: manifest["fingerprint"] for path, manifest in zip(self.paths, self.manifests)}
+        phases = {str(start): {path: round(w / weights.sum(), 12) for path, w in zip(self.paths, weights) if w}
+                  for start, weights in self.phases}
+        mixed = [[start, sorted((fingerprints[path], w) for path, w in weights.items())]
+                 for start, weights in phases.items()]
+        fingerprint = (fingerprints[self.paths[0]] if len(mixed) == 1 and len(mixed[0][1]) == 1 else
+                       hashlib.sha256(json.dumps(mixed).encode()).hexdigest()[:16])
+        return {"fingerprint": fingerprint, "sources": fingerprints, "phases": phases}
+
+
+class DataLoader:
+    """Batches from --data. batch(step) depends only on (seed, step), so the loader has no state to save: the global
+    batch is the same for any world_size, rank r reads rows r*B:(r+1)*B of it, and each source reads every one of its
+    sequences once per epoch, in a new order every epoch (a run's seed, sequence length and global batch cannot change
+    on resume: train.py checks). A step's global batch is its sources' blocks, in order, of counts(step) sequences."""
+
+    def __init__(self, data_spec: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
-        self.data_dir = data_dir
         self.split = split
         self.seq_len = seq_len
         self.global_batch = global_batch  # a multiple of world_size (parallel.Layout.check)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.vocab_size = vocab_size
-        manifest = load_manifest(data_dir)
-        max_token = max(shard["max_token"] for split_ in manifest["splits"].values() for shard in split_)
-        _require(vocab_size is None or manifest["vocab_size"] <= vocab_size and max_token < vocab_size,
-                 f"{data_dir} uses token ids up to {max_token} from the {manifest['tokenizer']} vocabulary of "
-                 f"{manifest['vocab_size']}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
-                 f"{manifest['vocab_size']} or prepare the data with a smaller tokenizer")
-        if tokenizer is not None:  # compared by the name the data records: a folder's short name, or cl100k_base
-            name = get_encoding(tokenizer).name if _is_folder(tokenizer) else tokenizer.removesuffix("_offline")
-            _require(name == manifest["tokenizer"], f"{data_dir} was tokenized with {manifest['tokenizer']} but the "
-                     f"model is configured for {name}; prepare the data with --encoding {name} or point the run at "
-                     f"data tokenized with it")
-        self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest["eot_id"], manifest["dtype"]
-        _require(bool(self.shards), f"{data_dir} has no {split} split (it was prepared with --val_fraction=0); "
-                 f"prepare it again with a --val_fraction above 0 to have one")
-        shortest = min(self.shards, key=lambda s: s["tokens"])
-        _require(shortest["tokens"] > seq_len, f"seq_len={seq_len} needs {seq_len + 1} tokens per sequence but "
-                 f"{split} shard {shortest['file']} in {data_dir} holds only {shortest['tokens']}; lower seq_len, or "
-                 f"prepare more data (or a larger --val_fraction for the val split)")
-        # sequences are the windows of seq_len + 1 tokens at stride seq_len inside one shard
-        self.first_window = np.cumsum([0] + [(shard["tokens"] - 1) // seq_len for shard in self.shards], dtype=np.int64)
-        self.num_sequences = int(self.first_window[-1])
-        _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_dir} holds "
+        self.mixture = Mixture(data_spec, tokenizer)
+        for path, manifest in zip(self.mixture.paths, self.mixture.manifests):
+            max_token = max((shard.get("max_token", -1) for shards in manifest["splits"].values() for shard in shards))
+            _require(vocab_size is None or manifest.get("vocab_size", 0) <= vocab_size and max_token < vocab_size,
+                     f"{path} uses token ids up to {max_token} from the {manifest.get('tokenizer')} vocabulary of "
+                     f"{manifest.get('vocab_size')}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
+                     f"{manifest.get('vocab_size')} or prepare the data with a smaller tokenizer")
+        self.sources = [(_MegatronSource if manifest.get("format") == "megatron" else _Source)(
+            path, manifest, split, seq_len, seed, vocab_size)
+            for path, manifest in zip(self.mixture.paths, self.mixture.manifests)]
+        self.num_sequences = sum(source.num_sequences for source in self.sources)
+        _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_spec} holds "
                  f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
                  f"{global_batch}; lower seq_len or global_batch, or prepare with a larger --val_fraction")
-        self._shard = functools.lru_cache(64)(self._open)  # a few open memmaps: a corpus can have more shards than fds
+        # Each phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
+        # (table[t]) give the sequences before any step in O(1).
+        self.starts = [start for start, _ in self.mixture.phases]
+        self.edges = [(c := np.cumsum(np.concatenate([[0], w]))) / c[-1] for _, w in self.mixture.phases]
+        self.tables = [np.concatenate([np.zeros((1, len(self.sources)), np.int64),
+                                       np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0)])
+                       for k in range(len(self.starts))]
 
-    def _open(self, k: int) -> np.memmap:
-        path = os.path.join(self.data_dir, self.shards[k]["file"])
-        return np.memmap(path, self.dtype, "r", offset=HEADER_BYTES, shape=(self.shards[k]["tokens"],))
+    def _counts(self, phase: int, step_N: np.ndarray) -> np.ndarray:
+        """counts_NS: source i gives floor(G W_i+1 + u) - floor(G W_i + u) of step n's G sequences, W_i the weight of
+        the sources before it and u an offset of the step: its quota G w_i rounded down or up, and G in all
+        (systematic sampling). u takes MIX_PERIOD evenly spaced values, each once per period in a well spread order
+        (a golden-ratio stride), so each source is rounded up in the share of steps its remainder asks for: the
+        mixture's weights hold exactly over every period, and closely over any stretch of steps."""
+        u_N = ((step_N % MIX_PERIOD * MIX_STRIDE + self.seed % MIX_PERIOD) % MIX_PERIOD + 0.5) / MIX_PERIOD
+        below_NS1 = np.floor(self.global_batch * self.edges[phase] + u_N[:, None]).astype(np.int64)
+        return np.diff(below_NS1, axis=1)
+
+    def counts(self, step: int) -> np.ndarray:
+        """counts_S: how many of step's global batch sequences each source gives."""
+        return self._counts(bisect.bisect_right(self.starts, step) - 1, np.array([step]))[0]
+
+    def read_before(self, step: int) -> np.ndarray:
+        """read_S: how many sequences each source gave in steps 0 .. step - 1."""
+        def before(phase: int, t: int) -> np.ndarray:  # as if the phase had held from step 0
+            return t // MIX_PERIOD * self.tables[phase][-1] + self.tables[phase][t % MIX_PERIOD]
+
+        read_S = np.zeros(len(self.sources), np.int64)
+        for k, (start, end) in enumerate(zip(self.starts, self.starts[1:] + [step])):
+            if start < min(end, step):
+                read_S += before(k, min(end, step)) - before(k, start)
+        return read_S
+
+    def epochs(self, step: int) -> np.ndarray:
+        """epochs_S: each source's sequences read by the end of step, over its number of sequences."""
+        return self.read_before(step + 1) / [source.num_sequences for source in self.sources]
+
+    def sources_of(self, step: int) -> np.ndarray:
+        """source_B: the source of each of this rank's rows of step."""
+        B = self.global_batch // self.world_size
+        return np.searchsorted(np.cumsum(self.counts(step)), self.rank * B + np.arange(B), side="right")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
         B, T = self.global_batch // self.world_size, self.seq_len
-        sample = step * self.global_batch + self.rank * B + np.arange(B, dtype=np.int64)
-        epoch, sequence = np.divmod(sample, self.num_sequences)  # epoch ascends, so its runs concatenate in order
-        if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
-            sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
-                                       for e in np.unique(epoch)])
-        shard = np.searchsorted(self.first_window, sequence, side="right") - 1
-        start = (sequence - self.first_window[shard]) * T
-        rows_BT = np.stack([self._shard(int(k))[s:s + T + 1] for k, s in zip(shard, start)]).astype(np.int64)
-        if self.vocab_size is not None and rows_BT.max() >= self.vocab_size:  # a shard changed after its manifest
-            b, t = np.unravel_index(rows_BT.argmax(), rows_BT.shape)
-            raise DataError(f"{self.split} shard {os.path.join(self.data_dir, self.shards[shard[b]]['file'])} holds "
-                            f"token id {rows_BT[b, t]} (at token {start[b] + t}), beyond the model's vocab_size="
-                            f"{self.vocab_size}; prepare the data again (python data.py) or raise vocab_size")
-        tokens_BT, targets_BT = torch.from_numpy(rows_BT[:, :-1].copy()), torch.from_numpy(rows_BT[:, 1:].copy())
-        # a token's document is the number of end-of-texts before it, so an EOT belongs to the document it ends
-        is_eot_BT = (tokens_BT == self.eot_id).long()
-        return tokens_BT, targets_BT, is_eot_BT.cumsum(1) - is_eot_BT
+        counts_S = self.counts(step)
+        source_B = self.sources_of(step)
+        # a row's place in its source's stream: what the source gave before this step, then its place in the block
+        sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rank * B + np.arange(B)
+        rows_BT1 = np.empty((B, T + 1), np.int64)
+        doc_ids_BT = np.empty((B, T), np.int64)
+        for s in np.unique(source_B):
+            rows_BT1[source_B == s], doc_ids_BT[source_B == s] = self.sources[s].read(sample_B[source_B == s])
+        return (torch.from_numpy(rows_BT1[:, :-1].copy()), torch.from_numpy(rows_BT1[:, 1:].copy()),
+                torch.from_numpy(doc_ids_BT))
 
     def val_batches(self, n: int | None = None):
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""

@@ -482,11 +482,13 @@ def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @dataclass
-class RouterStats:
-    """What all MoE layers' routers did in one forward; both losses are already times their coefficients."""
+class ForwardStats:
+    """What one forward measured besides its loss: what all MoE layers' routers did (both losses already times their
+    coefficients) and each sequence's loss."""
     counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
     aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
     z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
+    loss_B: torch.Tensor | None  # each sequence's mean cross-entropy (no graph); None without targets
 
     @property
     def balance_loss(self) -> torch.Tensor:
@@ -624,10 +626,11 @@ _lse_and_grad_compiled = None  # compiled on first use
 
 
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
-    """(mean cross-entropy of h @ weight.T against targets (-100 ignored), valid rows), a chunk of rows at a time: the
-    [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32, from each chunk's exponentials E
-    and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never dividing [rows, V]. Rounding
-    matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh and dW matmuls."""
+    """(each row's cross-entropy [N] of h @ weight.T against targets, 0 where the target is -100; the valid rows), a
+    chunk of rows at a time: the [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32,
+    from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never
+    dividing [rows, V]. Rounding matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh
+    and dW matmuls."""
     global _lse_and_grad_compiled
     device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
@@ -682,27 +685,29 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
                     torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
                     dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
         n_valid = valid_N1.sum()
-        loss = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).sum() / n_valid
+        loss_N = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).squeeze(1)
     if not grads:
-        return loss, n_valid
+        return loss_N, n_valid
     if fp32:
         dh_ND.sub_(weight_VD.index_select(0, targets_N1.squeeze(1)))
         dweight_VD.index_add_(0, targets_N1.squeeze(1), h_valid_ND, alpha=-1)
-    return loss, n_valid, dh_ND.mul_(valid_N1), dweight_VD
+    return loss_N, n_valid, dh_ND.mul_(valid_N1), dweight_VD
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """Keeps head_cross_entropy's gradients ([N, D], [V, D]), never an [N, V] tensor; backward scales them in place."""
+    """(mean loss, each row's loss [N] without a gradient). Keeps head_cross_entropy's gradients ([N, D], [V, D]), never
+    an [N, V] tensor; backward scales them in place."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
-        loss, n_valid, dh_ND, dweight_VD = head_cross_entropy(h_ND, weight_VD, targets_N, grads=True)
+        loss_N, n_valid, dh_ND, dweight_VD = head_cross_entropy(h_ND, weight_VD, targets_N, grads=True)
         ctx.save_for_backward(dh_ND, dweight_VD, n_valid)
         ctx.dtypes = h_ND.dtype, weight_VD.dtype
-        return loss
+        ctx.mark_non_differentiable(loss_N)
+        return loss_N.sum() / n_valid, loss_N
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, _):
         dh_ND, dweight_VD, n_valid = ctx.saved_tensors
         scale = dloss / n_valid
         return dh_ND.mul_(scale).to(ctx.dtypes[0]), dweight_VD.mul_(scale).to(ctx.dtypes[1]), None
@@ -767,7 +772,7 @@ class Transformer(nn.Module):
     def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None,
                 return_stats: bool = False):
         """Logits [B, T, V], or with targets the mean cross-entropy (head_loss). doc_ids_BT (document per token) keeps
-        attention within documents. return_stats adds RouterStats. With a cache (new_cache) tokens_BT continue the
+        attention within documents. return_stats adds ForwardStats. With a cache (new_cache) tokens_BT continue the
         cached ones, attention is SDPA, and only the last position's logits [B, 1, V] are made."""
         T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT)
@@ -783,22 +788,35 @@ class Transformer(nn.Module):
             x_BTD, router = block(x_BTD, cos_TDh, sin_TDh, masks[block.attn.is_global], layer_cache)
             routers += [router] if router is not None else []
         h_BTD = self.norm(x_BTD if cache is None else x_BTD[:, -1:])
-        out = self.head_loss(h_BTD, targets_BT) if targets_BT is not None and cache is None else self.head(h_BTD)
+        loss_B = None
+        if targets_BT is None or cache is not None:
+            out = self.head(h_BTD)
+        elif return_stats:
+            out, loss_B = self.head_loss(h_BTD, targets_BT, per_sequence=True)
+        else:
+            out = self.head_loss(h_BTD, targets_BT)
         if not return_stats:
             return out
         zero = torch.zeros((), device=x_BTD.device)
         E = self.cfg.n_experts
         # Seeded with no counts and zero losses, so a model without MoE layers reports [0, E] counts and zero losses.
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
-        return out, RouterStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z))
+        return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
-    def head_loss(self, h_BTD, targets_BT):
-        """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits."""
+    def head_loss(self, h_BTD, targets_BT, per_sequence: bool = False):
+        """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits;
+        per_sequence: (that, each sequence's mean cross-entropy [B] without a gradient)."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
-            return _HeadCrossEntropy.apply(h_ND, self.head.weight, targets_N)
-        return head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)[0]
+            loss, loss_N = _HeadCrossEntropy.apply(h_ND, self.head.weight, targets_N)
+        else:
+            loss_N, n_valid = head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)
+            loss = loss_N.sum() / n_valid
+        if not per_sequence:
+            return loss
+        valid_B = (targets_BT != -100).sum(1).clamp(min=1)
+        return loss, loss_N.view(targets_BT.shape).sum(1) / valid_B
 
     def num_params(self) -> dict:
         """Total and active (one token's share of the routed experts) counts; works on a meta-device model."""

@@ -47,6 +47,7 @@ from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, 
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
 OFF_OR_MORE = at_least(0, "0 (off) or more")
+REPEATED_EPOCHS = 4  # more epochs of one source are warned about: past ~4, repeats help little (Muennighoff et al.)
 CHANGEABLE = ("tokenizer", "data")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
 
 
@@ -56,7 +57,9 @@ class TrainConfig:
     values, before anything runs. Sizes, batches and the layout are checked where they meet (parallel.Layout)."""
     # model and data
     preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
-    data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output; the default corpus is prepared when absent")
+    data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output (the default corpus is prepared when absent) "
+                                              "or a Megatron-LM dataset's path prefix; a mixture: PATH:WEIGHT,PATH:"
+                                              "WEIGHT,...; phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
     tokenizer: str = option("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
                                            "folder; sizes the vocabulary")
     seq_len: int = option(128, "tokens per sequence", POSITIVE)
@@ -294,10 +297,24 @@ def read_config(path: str, settings: dict) -> dict:
         if parse and isinstance(value, str):  # a word the flag takes too (dp_replicate = "auto")
             with contextlib.suppress(ValueError):
                 value = parse(value)
+        if key == "train.data" and isinstance(value, dict):
+            value = data_spec(value, path)
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {TYPE_NAMES[kind]}.")
         values[key.split(".")[1]] = kind(value)
     return values
+
+
+def data_spec(table: dict, path: str) -> str:
+    """--data's text for its TOML table: PATH = WEIGHT entries for one mixture, or such tables by the step each phase
+    starts at ([train.data.0], [train.data.120000])."""
+    phases = table if all(isinstance(v, dict) for v in table.values()) else {"0": table}
+    if not all(step.replace("_", "").isdigit() and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                        for w in weights.values()) for step, weights in phases.items()):
+        raise ValueError(f"--config={path} sets train.data to a table that is neither PATH = WEIGHT entries nor tables "
+                         f"of them by the step each phase starts at ([train.data.0], [train.data.120000]).")
+    return ";".join(f"{step}=" + ",".join(f"{source}:{weight}" for source, weight in phases[step].items())
+                    for step in sorted(phases, key=int))
 
 
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
@@ -393,7 +410,8 @@ class TrainState:
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, poison: bool = False) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update.
-    Returns metrics: losses averaged over the global batch, the global tokens-per-expert counts [L, E]."""
+    Returns metrics: losses averaged over the global batch, the global tokens-per-expert counts [L, E], and each of
+    the rank's sequences' LM loss [B]."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -401,6 +419,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
     layers = model.moe_layers()
     counts_LE = torch.zeros(len(layers), model.cfg.n_experts, device=device)
     losses = torch.zeros(3, device=device)  # lm, aux, z
+    loss_B = []  # each of the rank's sequences' LM loss, for the loss by source
     if tc.keep_gathered and hasattr(model, "set_reshard_after_forward"):
         model.set_reshard_after_forward(False)  # the root too (FSDP2 keeps only the root's gathered by default)
     for i in range(n_micro):
@@ -412,14 +431,15 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
             if tc.keep_gathered:  # the optimizer updates the shards: the last micro-batch frees the gathered copies
                 model.set_reshard_after_backward(i == n_micro - 1)
         with autocast, phase("forward"):
-            lm_loss, router = model(tokens_BT[rows], targets_BT=targets_BT[rows],
-                                    doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None, return_stats=True)
+            lm_loss, stats = model(tokens_BT[rows], targets_BT=targets_BT[rows],
+                                   doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None, return_stats=True)
             if poison:
                 lm_loss = lm_loss * float("nan")
         with phase("backward"):
-            ((lm_loss + router.balance_loss) / n_micro).backward()
-        counts_LE += router.counts_LE
-        losses += torch.stack([lm_loss.detach().float(), router.aux_loss.detach(), router.z_loss.detach()]) / n_micro
+            ((lm_loss + stats.balance_loss) / n_micro).backward()
+        counts_LE += stats.counts_LE
+        losses += torch.stack([lm_loss.detach().float(), stats.aux_loss.detach(), stats.z_loss.detach()]) / n_micro
+        loss_B.append(stats.loss_B)
     with phase("all-reduce counts, losses"):  # the global batch: counts summed over ranks, losses averaged
         parallel.all_reduce_sum_(counts_LE)
         parallel.all_reduce_sum_(losses)
@@ -442,7 +462,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
                 update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
                                    tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
     return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
-            "counts_LE": counts_LE}
+            "counts_LE": counts_LE, "loss_B": torch.cat(loss_B)}
 
 
 def balance_metrics(counts_LE: torch.Tensor, layers) -> dict:
@@ -510,9 +530,9 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
 
 class MetricsSinks:
     """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
-    per-layer lists as KEY/00, ...). A resumed run logs the steps after its checkpoint again: metrics.jsonl is cut
-    there, TensorBoard hides the dead launch's events past it (purge_step), W&B continues the same run (id in
-    OUT_DIR/wandb_run_id)."""
+    per-layer lists as KEY/00, ..., per-source dicts as KEY/PATH). A resumed run logs the steps after its checkpoint
+    again: metrics.jsonl is cut there, TensorBoard hides the dead launch's events past it (purge_step), W&B continues
+    the same run (id in OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
@@ -942,16 +962,17 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
             data.prepare(out_dir=tc.data)
         if dist.is_initialized():
             dist.barrier()
-    manifest = data.load_manifest(tc.data)
+    mixture = data.Mixture(tc.data, tc.tokenizer)
+    tokenizer = mixture.tokenizer  # its manifest fields: name, vocab_size, a Hugging Face folder's tokenizer_path
     if tc.init_from_hf:
         cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides)
-        data.check_vocabulary(manifest, tc.init_from_hf)  # the embedding rows must mean the data's tokens
+        data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
-        cfg = model_config(tc, overrides, manifest["vocab_size"])
+        cfg = model_config(tc, overrides, tokenizer["vocab_size"])
     resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
-                "tokenizer": {"name": manifest["tokenizer"],
-                              "source": manifest.get("tokenizer_path", manifest["tokenizer"])},
-                "data": {"fingerprint": manifest["fingerprint"]}}
+                "tokenizer": {"name": tokenizer["tokenizer"],
+                              "source": tokenizer.get("tokenizer_path", tokenizer["tokenizer"])},
+                "data": mixture.identity()}
     run = Run.on(tc, cfg, rank, world, device, lease)
     if resume_from:
         compare_settings(resume_from, resolved)
@@ -1002,15 +1023,24 @@ def compare_settings(resume_from: str, resolved: dict):
         "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
 
 
-def loaders(run: Run) -> tuple[data.DataLoader, data.DataLoader | None]:
-    """This rank's train and validation loaders; no validation loader for data prepared with --val_fraction=0."""
+def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
+    """This rank's train loader, and a validation loader for each source that has a val split, by its path (none: a
+    directory prepared with --val_fraction=0, a Megatron-LM dataset)."""
     tc = run.tc
-    splits = [split for split, shards in data.load_manifest(tc.data)["splits"].items() if shards]
-    if "val" not in splits:
-        say(f"no validation set in {tc.data} (prepared with --val_fraction=0): validation is skipped")
-    loader = {split: data.DataLoader(tc.data, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
-                                     vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer) for split in splits}
-    return loader["train"], loader.get("val")
+
+    def loader(spec: str, split: str) -> data.DataLoader:
+        return data.DataLoader(spec, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
+                               vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer)
+
+    train_loader = loader(tc.data, "train")
+    mixture = train_loader.mixture
+    val = {path: loader(path, "val") for path, manifest in zip(mixture.paths, mixture.manifests)
+           if manifest["splits"]["val"]}
+    for path, manifest in zip(mixture.paths, mixture.manifests):
+        if path not in val:
+            why = "a Megatron-LM dataset" if manifest.get("format") == "megatron" else "prepared with --val_fraction=0"
+            say(f"no validation set in {path} ({why}): validation is skipped" + (" for it" if val else ""))
+    return train_loader, val
 
 
 def build(run: Run, copies: int | None = None):
@@ -1137,7 +1167,7 @@ class Loop:
         self.optimizer = optimizer
         self.state = state
         self.schedule = schedule
-        (self.loader, self.val_loader), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
+        (self.loader, self.val_loaders), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak = peak_tflops(run.device, tc.peak_tflops)
         self.tokens_per_step = tc.global_batch * tc.seq_len
@@ -1145,6 +1175,7 @@ class Loop:
         self.times = StepTimes(run)
         self.ckpt_root = os.path.join(tc.out_dir, "checkpoints")
         self.drills = drills
+        self.repeated = set()  # the sources warned about being read more than REPEATED_EPOCHS times
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
         self.logged_step = self.start_step = state.step
@@ -1189,12 +1220,16 @@ class Loop:
         # One all-reduce for the loop's decisions, which closes the step (each rank's wait for the slowest): a
         # preemption signal on any rank, a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is
         # due, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl; float64 keeps
-        # integers below 2**53 exact).
+        # integers below 2**53 exact); then each source's summed loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
-        preempted, writing, clock_due, tokens_sum = parallel.all_reduce_sum_(torch.tensor(
-            [self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
-            device=run.device)).tolist()
+        source_B = torch.as_tensor(self.loader.sources_of(step), device=run.device)
+        loss_S = torch.zeros(len(self.loader.sources), dtype=torch.float64, device=run.device)
+        loss_S.index_add_(0, source_B, out["loss_B"].double())
+        flags = torch.tensor([self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
+                             device=run.device)
+        reduced = parallel.all_reduce_sum_(torch.cat([flags, loss_S])).tolist()
+        preempted, writing, clock_due, tokens_sum = reduced[:4]
         self.times.add(t_data - t_start, t_compute - t_data, time.perf_counter() - t_compute)
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
             self.complete()  # so a crash loses at most ckpt_every steps
@@ -1202,17 +1237,21 @@ class Loop:
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
         last = step == tc.steps - 1
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
-                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": int(tokens_sum)}
+                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": int(tokens_sum),
+                  **self.sources(step, reduced[4:])}
         if not out["finite"]:
             self.non_finite(step)
         if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
             record.update(self.log(step, lr))
         if step == self.start_step and self.resumed:
             record["resumed"] = self.resumed
-        if self.val_loader is not None and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
-            self.val_loss = record["val_loss"] = evaluate(self.model, self.val_loader, tc.eval_batches,
-                                                          tc.micro_batch, run.autocast, tc.doc_mask)
-            say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}")
+        if self.val_loaders and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
+            losses = {path: evaluate(self.model, loader, tc.eval_batches, tc.micro_batch, run.autocast, tc.doc_mask)
+                      for path, loader in self.val_loaders.items()}
+            self.val_loss = record["val_loss"] = sum(losses.values()) / len(losses)
+            record["val_loss_by_source"] = losses
+            by_source = "" if len(losses) == 1 else " (" + ", ".join(f"{p} {v:.4f}" for p, v in losses.items()) + ")"
+            say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}{by_source}")
         self.sinks.write(record)
         if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
             self.save(step + 1, final=last or preempted)
@@ -1222,6 +1261,21 @@ class Loop:
             return True
         self.drills.after_step(step)
         return False
+
+    def sources(self, step: int, loss_S: list[float]) -> dict:
+        """The record's fields by source: the step's tokens, their mean loss (from each source's summed sequence
+        losses), the epochs read so far; a source read more than REPEATED_EPOCHS times is said once."""
+        paths = self.loader.mixture.paths
+        counts_S = self.loader.counts(step)
+        epochs_S = self.loader.epochs(step)
+        for path, epochs in zip(paths, epochs_S):
+            if epochs > REPEATED_EPOCHS and path not in self.repeated:
+                self.repeated.add(path)
+                say(f"warning: step {step + 1} reads {path} for the {math.ceil(epochs)}th time; data repeated "
+                    f"more than {REPEATED_EPOCHS} times teaches little more: add data or lower its weight")
+        return {"tokens_by_source": {path: int(n) * self.run.tc.seq_len for path, n in zip(paths, counts_S)},
+                "loss_by_source": {path: loss / n for path, loss, n in zip(paths, loss_S, counts_S) if n},
+                "epochs_by_source": {path: round(float(e), 4) for path, e in zip(paths, epochs_S)}}
 
     def non_finite(self, step: int):
         """Said for a non-finite step; too many in a row stop the run."""
@@ -1339,7 +1393,7 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
 
 def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     tc = run.tc
-    train_loader, val_loader = loaders(run)
+    train_loader, val_loaders = loaders(run)
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
 
@@ -1356,7 +1410,7 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
-    return Loop(run, model, optimizer, state, (train_loader, val_loader), schedule, resolved, flops, drills).train()
+    return Loop(run, model, optimizer, state, (train_loader, val_loaders), schedule, resolved, flops, drills).train()
 
 
 if __name__ == "__main__":

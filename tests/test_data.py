@@ -1,6 +1,7 @@
 """
 Tests for data.py: shard format and validation, tokenisation round trips, preparation (skip, re-run, interrupted
-runs, jsonl), and the loader's contract (pure function of seed and step, rank slices, one pass per epoch, resume).
+runs, jsonl), the loader's contract (pure function of seed and step, rank slices, one pass per epoch, resume), mixtures
+of sources in phases, and Megatron-LM datasets written by Megatron-LM's own writer.
 
     python -m pytest tests/test_data.py -q
 """
@@ -8,6 +9,7 @@ runs, jsonl), and the loader's contract (pure function of seed and step, rank sl
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -54,11 +56,12 @@ def split_documents(data_dir, split):
     return [ENC.decode(tokens[a + 1:b].tolist()) for a, b in zip(np.concatenate([[-1], ends[:-1]]), ends)]
 
 
-def write_fake_dataset(folder, train_lengths, val_lengths=(400,), eot_every=37, eot_id=100257, vocab=100277):
-    """Shards whose tokens are their global positions (so every window is unique), with an EOT every
+def write_fake_dataset(folder, train_lengths, val_lengths=(400,), eot_every=37, eot_id=100257, vocab=100277,
+                       first=1):
+    """Shards whose tokens are their global positions from `first` on (so every window is unique), with an EOT every
     eot_every positions; written from the format description, not with data.py's writer."""
     folder.mkdir(parents=True, exist_ok=True)
-    splits, position = {}, 1
+    splits, position = {}, first
     for split, lengths in (("train", train_lengths), ("val", val_lengths)):
         splits[split] = []
         for k, n in enumerate(lengths):
@@ -447,3 +450,131 @@ def test_val_batches_are_fixed_and_in_order(fake, prepared):
     tokens, _, _ = next(DataLoader(out, "val", seq_len=8, global_batch=2, vocab_size=ENC.n_vocab,
                                    tokenizer="cl100k_base").val_batches(1))
     assert tokens.flatten().tolist() == ENC.encode_ordinary(texts[0])[:16]
+
+
+# --- mixtures of sources, in phases
+
+
+@pytest.fixture
+def three(tmp_path):
+    """Three sources of 60, 90 and 45 windows of 16 + 1 tokens, their tokens in disjoint ranges."""
+    return [write_fake_dataset(tmp_path / name, [length], first=first)
+            for name, length, first in (("web", 961, 1), ("code", 1441, 20_001), ("synth", 721, 40_001))]
+
+
+def source_of(sources, seq_len=16):
+    """Window -> the index of the source it is one of, read straight from the shards."""
+    return {window: s for s, path in enumerate(sources) for window in all_windows(path, "train", seq_len)}
+
+
+@pytest.mark.parametrize("weights, global_batch", [((0.6, 0.3, 0.1), 10), ((0.6, 0.3, 0.1), 8), ((0.55, 0.45, 0), 8),
+                                                   ((1, 1, 1), 16), ((5, 3, 2), 7)])
+def test_every_step_of_a_mixture_meets_its_weights_up_to_rounding(three, weights, global_batch):
+    """Each step's global batch gives source i its quota global_batch * w_i rounded down or up, global_batch in all
+    (counted on the rows read). Who is rounded up changes from step to step, so that the weights hold over every
+    period of steps, and within two sequences over any 100 steps: 0.55 / 0.45 of 8 is 4.4 / 3.6 sequences a step on
+    average, where rounding by the largest remainder every step would give 4 / 4 forever."""
+    spec = ",".join(f"{path}:{w}" for path, w in zip(three, weights))
+    loader = DataLoader(spec, seq_len=16, global_batch=global_batch)
+    quota = global_batch * np.array(weights) / sum(weights)
+    lookup = source_of(three)
+    for step in range(40):
+        counts = np.bincount([lookup[row] for row in batch_rows(loader.batch(step))], minlength=3)
+        assert counts.sum() == global_batch and ((counts == np.floor(quota)) | (counts == np.ceil(quota))).all()
+        assert (counts == loader.counts(step)).all()
+    counts = np.array([loader.counts(step) for step in range(2 * data.MIX_PERIOD)])
+    assert np.abs(counts[:data.MIX_PERIOD].sum(0) - data.MIX_PERIOD * quota).max() < 1
+    running = np.cumsum(counts, 0)
+    assert np.abs(running[100:] - running[:-100] - 100 * quota).max() <= 2
+
+
+def test_a_mixture_reads_the_same_rows_on_any_layout_after_any_resume_and_across_phases(three):
+    """Two loaders of ranks 0 and 1 of 2, made anew at a step inside a phase or on a phase boundary (a resume on
+    another layout), read the rows one loader of one rank read from step 0 on."""
+    spec = f"{three[0]}:3,{three[1]}:1;7={three[1]}:1,{three[2]}:2;12={three[0]}:1"
+    run = DataLoader(spec, seq_len=16, global_batch=8, seed=5)
+    rows = [batch_rows(run.batch(step)) for step in range(20)]
+    for resume_at in (3, 7, 12):
+        ranks = [DataLoader(spec, seq_len=16, global_batch=8, seed=5, rank=r, world_size=2) for r in range(2)]
+        for step in range(resume_at, 20):
+            assert batch_rows(ranks[0].batch(step)) + batch_rows(ranks[1].batch(step)) == rows[step], (resume_at, step)
+
+
+def test_each_source_reads_its_own_epochs_in_new_orders_across_phases(three):
+    """Whatever the phases, a source's rows in the order read are its windows in the order permute(range(n), n, seed,
+    e) of epoch e = 0, 1, 2, ...: a source that runs out starts again in a new order, a phase boundary neither skips
+    nor repeats any, and epochs(step) counts the source's passes so far."""
+    seed = 2
+    spec = f"{three[0]}:1,{three[1]}:1;30={three[0]}:1,{three[2]}:3;55={three[1]}"
+    loader = DataLoader(spec, seq_len=16, global_batch=8, seed=seed)
+    windows = [all_windows(path, "train", 16) for path in three]
+    lookup = source_of(three)
+    read = [[], [], []]
+    for step in range(80):
+        for row in batch_rows(loader.batch(step)):
+            read[lookup[row]].append(row)
+        assert np.allclose(loader.epochs(step), [len(r) / len(w) for r, w in zip(read, windows)])
+    for got, source in zip(read, windows):
+        n = len(source)
+        in_order = [source[i] for epoch in range(len(got) // n + 1) for i in permute(np.arange(n), n, seed, epoch)]
+        assert len(got) > 2 * n and got == in_order[:len(got)]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{a}:1,{a}:2", "'{a}:2' should be a source named once per phase"),
+    ("{a}:-1", "'{a}:-1' should be a source named once per phase, with a weight of 0 or more"),
+    ("{a}:0,{b}:0", "the weights of phase 1 are all 0; give one source a positive weight"),
+    ("{a};{b}", "phase 2 ('{b}') must start with STEP=, a step after the phase before's"),
+    ("{a};5={b};5={a}", "phase 3 ('5={a}') must start with STEP=, a step after the phase before's"),
+    ("10={a}", "phase 1 ('10={a}') must apply from step 0"),
+])
+def test_a_bad_mixture_is_one_sentence(three, spec, message):
+    spec = spec.format(a=three[0], b=three[1])
+    with pytest.raises(DataError, match=re.escape(f"--data={spec}: {message.format(a=three[0], b=three[1])}")):
+        DataLoader(spec, seq_len=16)
+
+
+# --- Megatron-LM's indexed dataset (tests/megatron/make_fixture.py wrote it with Megatron-LM's IndexedDatasetBuilder)
+
+MEGATRON = os.path.join(REPO, "tests", "megatron", "text_document")
+
+
+def test_a_megatron_dataset_is_read_with_the_documents_of_its_index():
+    """Its windows are the token stream of its documents (documents.json, tokenized here), each read once an epoch,
+    and a token's document is the index's, though the data holds no end-of-text token to count."""
+    with open(os.path.join(os.path.dirname(MEGATRON), "documents.json")) as f:
+        documents = [sum((ENC.encode_ordinary(text) for text in texts), []) for texts in json.load(f)["documents"]]
+    stream = np.concatenate(documents)
+    document = np.repeat(np.arange(len(documents)), [len(tokens) for tokens in documents])
+    assert ENC.eot_token not in stream
+    start_of = {tuple(stream[i:i + 33]): i for i in range(0, len(stream) - 32, 32)}
+    loader = DataLoader(MEGATRON, seq_len=32, global_batch=8, vocab_size=100352, tokenizer="cl100k_base")
+    assert loader.num_sequences == len(start_of)
+    starts = []
+    for step in range(loader.num_sequences // 8):
+        batch = loader.batch(step)
+        for row, doc_ids in zip(batch_rows(batch), batch[2].tolist()):
+            starts.append(start_of[row])
+            assert doc_ids == (document[starts[-1]:starts[-1] + 32] - document[starts[-1]]).tolist()
+    assert len(set(starts)) == len(starts) == loader.num_sequences // 8 * 8
+    assert sum(max(ids) for ids in batch[2].tolist()) > 0  # the rows do cross documents
+
+
+def test_a_damaged_megatron_dataset_is_one_sentence(tmp_path):
+    index, tokens = (open(f"{MEGATRON}.{suffix}", "rb").read() for suffix in ("idx", "bin"))
+    prefix = str(tmp_path / "text_document")
+    for idx, bin_, message in [
+        (index, tokens[:-4], r"text_document.bin is truncated or corrupt: its index promises 2818 tokens \(11272 bytes"
+                             r"\) but the file has 11268 bytes"),
+        (b"MMIDIDY" + index[7:], tokens, r"text_document.idx is not a Megatron-LM index \(it starts b'MMIDIDY"),
+        (index[:-8], tokens, r"text_document.idx is empty, truncated or corrupt: its header promises 154 sequences "
+                             r"and 60 documents"),
+        (index, None, r"text_document.idx has no .*text_document.bin beside it"),
+    ]:
+        open(prefix + ".idx", "wb").write(idx)
+        if os.path.exists(prefix + ".bin"):
+            os.remove(prefix + ".bin")
+        if bin_ is not None:
+            open(prefix + ".bin", "wb").write(bin_)
+        with pytest.raises(DataError, match=message + ".*; write it again with Megatron-LM's"):
+            DataLoader(prefix, seq_len=32)

@@ -242,15 +242,15 @@ def test_fused_head_loss_under_reduced_fp32_matmul_precision(setting, cpu_exact)
         h = torch.randn(30, 16, generator=g, requires_grad=True)
         weight = (torch.randn(200, 16, generator=g) * 0.3).requires_grad_()
         targets = torch.randint(0, 200, (30,), generator=g)
-        loss, n_valid, dh, dweight = model_module.head_cross_entropy(h.detach(), weight.detach(), targets, True)
-        ref = F.cross_entropy(h @ weight.t(), targets, reduction="sum")
-        ref_dh, ref_dweight = torch.autograd.grad(ref, (h, weight))
+        loss_N, _, dh, dweight = model_module.head_cross_entropy(h.detach(), weight.detach(), targets, True)
+        ref_N = F.cross_entropy(h @ weight.t(), targets, reduction="none")
+        ref_dh, ref_dweight = torch.autograd.grad(ref_N.sum(), (h, weight))
     finally:
         torch.set_float32_matmul_precision(legacy)
         backends.fp32_precision, cuda.fp32_precision, cpu.fp32_precision = saved
     assert torch.get_float32_matmul_precision() == legacy
     tol = 1e-5 if cpu_exact else 2e-2
-    for ours, theirs in ((loss * n_valid, ref), (dh, ref_dh), (dweight, ref_dweight)):
+    for ours, theirs in ((loss_N, ref_N.detach()), (dh, ref_dh), (dweight, ref_dweight)):
         assert (ours - theirs).abs().max() <= tol * theirs.abs().max()
 
 
@@ -268,6 +268,12 @@ def test_model_loss_is_the_cross_entropy_of_its_logits():
         grads.append((loss, *[p.grad for p in model.parameters()]))
     for ours, ref in zip(*grads):
         assert torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
+    targets = tokens[:, 1:].clone()
+    targets[0, :5] = -100  # each sequence's loss is the mean over its own valid targets
+    _, stats = model(tokens[:, :-1], targets_BT=targets, return_stats=True)
+    per_token = F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), targets, reduction="none")
+    assert not stats.loss_B.requires_grad
+    assert torch.allclose(stats.loss_B, per_token.sum(1) / (targets != -100).sum(1), atol=1e-6, rtol=1e-5)
 
 
 # --- experts: grouped GEMM against the per-expert loop
