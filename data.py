@@ -540,7 +540,8 @@ def _megatron_manifest(prefix: str) -> dict:
     """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
     name). Its .idx is a header, each sequence's length (int32) and byte offset into the .bin (int64), then the
     sequence each document starts at (int64, ending with the number of sequences); it is checked, never read whole."""
-    index, bin_path = prefix + ".idx", prefix + ".bin"
+    index = prefix + ".idx"
+    bin_path = prefix + ".bin"
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
     _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
     with open(index, "rb") as f:
@@ -610,7 +611,9 @@ class _Source:
         self.seq_len = seq_len
         self.seed = seed
         self.vocab_size = vocab_size
-        self.shards, self.eot_id, self.dtype = manifest["splits"][split], manifest.get("eot_id"), manifest["dtype"]
+        self.shards = manifest["splits"][split]
+        self.eot_id = manifest.get("eot_id")  # a Megatron-LM dataset's documents are in its index
+        self.dtype = manifest["dtype"]
         _require(bool(self.shards), f"{path} has no {split} split (it was prepared with --val_fraction=0, or is a "
                  f"Megatron-LM dataset); prepare it again with a --val_fraction above 0 to have one")
         shortest = min(self.shards, key=lambda s: s["tokens"])
@@ -696,7 +699,8 @@ class Mixture:
                 try:
                     weight = float(weight)
                 except ValueError:  # no weight: the whole item is the path
-                    path, weight = item.strip(), 1.0
+                    path = item.strip()
+                    weight = 1.0
                 _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,
                          f"--data={spec}: {item.strip()!r} should be a source named once per phase, with a weight of "
                          f"0 or more; {example}")
@@ -764,20 +768,23 @@ class DataLoader:
         _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_spec} holds "
                  f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
                  f"{global_batch}; lower seq_len or global_batch, or prepare with a larger --val_fraction")
-        # Each phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
-        # (table[t]) give the sequences before any step in O(1).
         self.starts = [start for start, _ in self.mixture.phases]
-        self.edges = [(c := np.cumsum(np.concatenate([[0], w]))) / c[-1] for _, w in self.mixture.phases]
+        self.edges = []  # each phase's running sum of weights, from 0 to exactly 1
+        for _, weights_S in self.mixture.phases:
+            running = np.cumsum(np.concatenate([[0], weights_S]))
+            self.edges.append(running / running[-1])
+        # A phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
+        # (table[t]) give those before any step in O(1).
         self.tables = [np.concatenate([np.zeros((1, len(self.sources)), np.int64),
                                        np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0)])
                        for k in range(len(self.starts))]
 
     def _counts(self, phase: int, step_N: np.ndarray) -> np.ndarray:
-        """counts_NS: source i gives floor(G W_i+1 + u) - floor(G W_i + u) of step n's G sequences, W_i the weight of
-        the sources before it and u an offset of the step: its quota G w_i rounded down or up, and G in all
-        (systematic sampling). u takes MIX_PERIOD evenly spaced values, each once per period in a well spread order
-        (a golden-ratio stride), so each source is rounded up in the share of steps its remainder asks for: the
-        mixture's weights hold exactly over every period, and closely over any stretch of steps."""
+        """counts_NS: source i gives floor(G E[i+1] + u) - floor(G E[i] + u) of step n's G sequences, E the phase's
+        edges and u in (0, 1) the step's offset: its quota G w_i rounded down or up, G in all (systematic sampling).
+        Over MIX_PERIOD steps u takes MIX_PERIOD evenly spaced values once each, in a golden-ratio order, so a source
+        is rounded up in the share of steps its quota's remainder asks for: the weights hold over every period (to
+        within one sequence), and to within two sequences over any stretch of steps."""
         u_N = ((step_N % MIX_PERIOD * MIX_STRIDE + self.seed % MIX_PERIOD) % MIX_PERIOD + 0.5) / MIX_PERIOD
         below_NS1 = np.floor(self.global_batch * self.edges[phase] + u_N[:, None]).astype(np.int64)
         return np.diff(below_NS1, axis=1)

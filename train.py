@@ -1271,7 +1271,7 @@ class Loop:
         for path, epochs in zip(paths, epochs_S):
             if epochs > REPEATED_EPOCHS and path not in self.repeated:
                 self.repeated.add(path)
-                say(f"warning: step {step + 1} reads {path} for the {math.ceil(epochs)}th time; data repeated "
+                say(f"warning: by step {step + 1}, {path} has been read {epochs:.2f} times (epochs); data repeated "
                     f"more than {REPEATED_EPOCHS} times teaches little more: add data or lower its weight")
         return {"tokens_by_source": {path: int(n) * self.run.tc.seq_len for path, n in zip(paths, counts_S)},
                 "loss_by_source": {path: loss / n for path, loss, n in zip(paths, loss_S, counts_S) if n},

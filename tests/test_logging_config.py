@@ -40,7 +40,7 @@ def launch_then_restart(corpus_dir, out_dir, *flags):
 
 def scalars(record: dict, prefix: str = "") -> dict:
     """A metrics.jsonl record as the sinks name its numbers: lists per MoE layer as KEY/00, KEY/01, ..., a dict's
-    entries (what a resumed launch records first) as KEY/NAME."""
+    entries (what a resumed launch records first, a value per data source) as KEY/NAME."""
     out = {}
     for key, value in record.items():
         if isinstance(value, list):
@@ -64,7 +64,8 @@ def test_tensorboard_holds_metrics_jsonl_once_per_step_across_a_restart(corpus_d
     tags = set(events.Tags()["scalars"])
     expected_tags = set().union(*latest.values())
     assert {"loss", "lm_loss", "aux_loss", "z_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "max_vio",
-            "max_vio_layers/00", "max_vio_layers/02"} <= expected_tags and tags == expected_tags
+            "max_vio_layers/00", "max_vio_layers/02", f"loss_by_source/{corpus_dir}",
+            f"val_loss_by_source/{corpus_dir}"} <= expected_tags and tags == expected_tags
     for tag in tags:
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
         # TensorBoard stores float32: each value is the record's, rounded once.
