@@ -783,8 +783,8 @@ class DataLoader:
         """counts_NS: source i gives floor(G E[i+1] + u) - floor(G E[i] + u) of step n's G sequences, E the phase's
         edges and u in (0, 1) the step's offset: its quota G w_i rounded down or up, G in all (systematic sampling).
         Over MIX_PERIOD steps u takes MIX_PERIOD evenly spaced values once each, in a golden-ratio order, so a source
-        is rounded up in the share of steps its quota's remainder asks for: the weights hold over every period (to
-        within one sequence), and to within two sequences over any stretch of steps."""
+        is rounded up in the share of steps its quota's remainder asks for: the weights hold to within one sequence
+        over every period, and a few over any stretch of steps."""
         u_N = ((step_N % MIX_PERIOD * MIX_STRIDE + self.seed % MIX_PERIOD) % MIX_PERIOD + 0.5) / MIX_PERIOD
         below_NS1 = np.floor(self.global_batch * self.edges[phase] + u_N[:, None]).astype(np.int64)
         return np.diff(below_NS1, axis=1)

@@ -1021,6 +1021,9 @@ def compare_settings(resume_from: str, resolved: dict):
                              f"--allow_changed={name} to train on the new {name} from here on.")
     say(f"resuming {path} with settings that differ from its own:\n" +
         "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
+    if "data" in changed:  # the loader has no state: each source's place is a function of the mixture and the step
+        say("  data: each source goes on from where the new --data puts it at this step, as if it had held from "
+            "step 0; a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before STEP as they were")
 
 
 def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:

@@ -86,7 +86,7 @@ def test_a_mixture_logs_its_tokens_loss_epochs_and_validation_by_source(corpus_d
                        f"teaches little more: add data or lower its weight"]
 
 
-def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(corpus_dir, csv_dir, tmp_path):
+def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(corpus_dir, csv_dir, tmp_path, capsys):
     """The data a checkpoint trained on is its sources' fingerprints and weights by phase: the same mixture written
     in another order, or from a copy, is the same; a new phase (here adding a source from the resume step on) is a
     curriculum change, refused unless --allow_changed=data, then recorded with the step it applies from."""
@@ -102,6 +102,7 @@ def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(c
                                                    f"--allow_changed=data to train on the new data from here on.")):
         train.main(*train.parse_args(args(changed, tmp_path, "--steps=4")))
     train.main(*train.parse_args(args(changed, tmp_path, "--steps=4", "--allow_changed=data")))
+    assert "a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before" in capsys.readouterr().out
     assert metrics(tmp_path)[3]["tokens_by_source"] == {str(copy): 0, csv_dir: 128, MEGATRON: 128}
     config = json.load(open(tmp_path / "config.json"))
     assert config["from_step"] == 3 and config["data"]["phases"] == {"0": {csv_dir: 0.25, str(copy): 0.75},
