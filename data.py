@@ -8,6 +8,8 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
     loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
     tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
+    DataLoader("data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6")  # a mixture, its weights from step 120k
+    DataLoader("megatron/web_text_document")  # a Megatron-LM dataset: web_text_document.bin and .idx
 
 On disk: {train,val}_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token
 after every document) and manifest.json, written last.

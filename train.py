@@ -5,6 +5,7 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
     python train.py --preset=tiny --steps=500 --lr=3e-3   # flags are TrainConfig fields; model fields too
     torchrun --nproc_per_node=8 train.py --dp_replicate=2 --ep=4 --global_batch=64
     python train.py --config=out/config.json --lr=1e-3    # a run's saved config (or TOML), flags over it
+    python train.py --data=data/web:0.7,data/code:0.3     # a mixture of sources (phases: README, Data)
     python train.py --help
 
 Each optimizer step: the rank's slice of the global batch in micro-batches with gradient accumulation, global gradient
