@@ -555,9 +555,9 @@ def _megatron_manifest(prefix: str) -> dict:
              f"but this reads version 1 with integer tokens (codes {sorted(MEGATRON_DTYPES)}); {fix}")
     arrays = MEGATRON_HEADER.size + 12 * sequences + 8 * document_starts
     size = os.path.getsize(index)
-    _require(sequences > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated or corrupt: its "
-             f"header promises {sequences} sequences and {document_starts - 1} documents ({arrays} bytes, or "
-             f"{arrays + sequences} with modes) but the file has {size} bytes; {fix}")
+    _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
+             f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
+             f"bytes, or {arrays + sequences} with modes) but the file has {size} bytes; {fix}")
     lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
     pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
     starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
