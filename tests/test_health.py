@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 import data
 import train
+from conftest import torchrun
 from test_resume import EXACT, args, rows, run_here, tensors, train_state
 
 # Spikes judged from the 6th step on, against the last 5; far enough (10 robust deviations) that the tiny runs'
@@ -138,6 +139,19 @@ def test_a_run_stopped_right_after_a_rollback_never_resumes_the_abandoned_checkp
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000004", "step_00000006"]
     run_here(args(corpus_dir, out, *BURST), capsys)
     assert_same_run(out, burst[0], 12)
+
+
+def test_every_rank_makes_the_same_decisions(burst, corpus_dir, tmp_path):
+    """On 2 ranks (the experts split over both) the burst is skipped and rolled back as in one process: the spike
+    statistics are of the global batch's all-reduced loss and gradient norm, so every rank decides alike."""
+    out = tmp_path / "run"
+    torchrun(2, "train.py", *args(corpus_dir, out, *BURST, "--ep=2", "--micro_batch=1"))
+    single = rows(burst[0])
+    got = rows(out)
+    assert [r["data_step"] for r in got] == [r["data_step"] for r in single]
+    assert [r["tokens_sum"] for r in got] == [r["tokens_sum"] for r in single]
+    final = train_state(str(out / "checkpoints" / "step_00000012"))
+    assert (final["skipped_data"], final["rollbacks"], final["skipped"]) == ([[7, 11]], 1, 3)
 
 
 def test_a_burst_beyond_max_rollbacks_stops_the_run_in_one_sentence(corpus_dir, tmp_path):
