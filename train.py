@@ -620,12 +620,13 @@ EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is k
 
 
 def now() -> str:
+    """The time in UTC, ISO 8601."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class Alerts:
     """Rank 0 keeps OUT_DIR/status.json (the run's latest numbers and its last event, rewritten whole when the loop
-    begins, at each log interval and at each event) and runs --on_event's command on each event, in the background
+    begins, at each log line, checkpoint and event) and runs --on_event's command on each event, in the background
     with the event in its environment; a command still running after EVENT_TIMEOUT_S is killed, and a failure is said,
     never raised. Events: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full,
     stopped, finished; any part of train.py may report another with event()."""
@@ -639,6 +640,7 @@ class Alerts:
         self.status = None  # written once the loop begins: a launch with nothing to do writes nothing
         self.last_event = None
         self.waiting = []
+        self.lock = threading.Lock()  # an event may come from another thread (a watchdog)
         if self.command:
             say(f"on each event: {self.command}")
 
@@ -658,7 +660,8 @@ class Alerts:
             proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         except OSError as e:
-            return say(f"--on_event for {name} could not start ({e.strerror}); training goes on")
+            say(f"--on_event for {name} could not start ({e.strerror}); training goes on")
+            return
         waiter = threading.Thread(target=self._wait, args=(proc, name), daemon=True)
         waiter.start()
         self.waiting.append(waiter)
@@ -675,9 +678,10 @@ class Alerts:
 
     def update(self, **numbers):
         """Rank 0: rewrite status.json with the loop's latest `numbers` and the last event."""
-        self.status = {**(self.status or {}), **numbers, "restarts": self.restarts, "last_event": self.last_event,
-                       "updated": now()}
-        data.write_durably(os.path.join(self.out_dir, "status.json"), json.dumps(self.status, indent=1) + "\n")
+        with self.lock:
+            self.status = {**(self.status or {}), **numbers, "restarts": self.restarts,
+                           "last_event": self.last_event, "updated": now()}
+            data.write_durably(os.path.join(self.out_dir, "status.json"), json.dumps(self.status, indent=1) + "\n")
 
     def close(self):
         """Wait for the commands still running (each ends within EVENT_TIMEOUT_S)."""
