@@ -235,10 +235,11 @@ def verify(path: str):
             raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
 
 
-def load_latest(ckpt_root: str, state: dict, config=None, say=print) -> tuple[str | None, dict | None]:
-    """load() the newest complete checkpoint under ckpt_root that loads, saying which damaged ones it skipped.
-    (None, None) when there is none; raises CorruptCheckpoint when none loads."""
-    complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete]
+def load_latest(ckpt_root: str, state: dict, config=None, say=print,
+                up_to: int | None = None) -> tuple[str | None, dict | None]:
+    """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`, if given) that loads, saying
+    which damaged ones it skipped. (None, None) when there is none; raises CorruptCheckpoint when none loads."""
+    complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
             return path, load(path, state, config)
@@ -248,6 +249,14 @@ def load_latest(ckpt_root: str, state: dict, config=None, say=print) -> tuple[st
         raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads (see "
                                 f"above); start again with --resume=none --overwrite, or restore the files.")
     return None, None
+
+
+def remove_after(ckpt_root: str, step: int):
+    """Delete the checkpoints under ckpt_root (complete or not) of steps after `step`: a rolled back run's abandoned
+    ones, which a restart must not resume."""
+    for e in _scan(ckpt_root):
+        if e.step > step:
+            shutil.rmtree(e.path, ignore_errors=True)
 
 
 def _resolve(path: str) -> str:

@@ -27,11 +27,12 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -147,6 +148,21 @@ class TrainConfig:
     lease_wait: float = option(60.0, "seconds to wait for another live job to leave OUT_DIR before refusing (keep "
                                      "it below --step_timeout)", NON_NEGATIVE)
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
+    # unattended runs: spikes, rollbacks, events
+    spike_threshold: float = option(10.0, "a step whose loss or gradient norm exceeds the median of the last "
+                                         "--spike_window applied steps by this many robust deviations (1.4826 x "
+                                         "their median absolute deviation, at least 0.02 x the median) is a spike, "
+                                         "skipped with its batch; right after a resume, a loss 10 times as far means "
+                                         "a damaged checkpoint (0: both off)", OFF_OR_MORE)
+    spike_window: int = option(50, "applied steps the spike statistics span; spikes are judged once it is full",
+                               at_least(3))
+    spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
+                                    "before the first, skipping the data from its batch through the last's "
+                                    "(0: never)", OFF_OR_MORE)
+    max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", OFF_OR_MORE)
+    on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
+                               "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (this launch's only: "
+                               "never saved)")
     straggler_threshold: float = option(0.2, "at each log, name the slowest rank when its own time per step (data + "
                                              "compute, not waiting) is more than this fraction above the other ranks' "
                                              "median (0: never)", OFF_OR_MORE)
@@ -155,7 +171,12 @@ class TrainConfig:
                                     "only)")
     straggle_rank: int = option(-1, "straggler drill: this rank's steps take twice as long (it sleeps as long as its "
                                     "own work took)")
-    nan_at_step: int = option(-1, "fault drill: this step's loss is NaN, for the non-finite guard")
+    nan_at_step: int = option(-1, "fault drill: the batch of this data step makes the gradients NaN, for the "
+                                  "non-finite guard")
+    spike_at_step: str = option("", "fault drill: the batches of these data steps (comma-separated) scale the "
+                                    "gradients 100 times, for the spike guard",
+                                Rule(lambda v, _: all(n.strip().isdigit() for n in v.split(",")) if v else True,
+                                     "empty or step numbers separated by commas"))
     skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
     def __post_init__(self):
@@ -386,13 +407,19 @@ def phase(name: str):
 
 @dataclass
 class TrainState:
-    """What the loop carries from step to step besides model and optimizer: the step, each MoE layer's balancing
-    momentum [L, E], and the non-finite steps skipped (in all, and in a row)."""
+    """What the loop carries from step to step besides model and optimizer: the next step, each MoE layer's balancing
+    momentum [L, E], the steps skipped (in all; non-finite ones in a row), the data steps skipped ([start, end)
+    windows of the loader's steps, sorted and disjoint), the [loss, grad norm] of the last applied steps (the spike
+    statistics), the recent spikes' [step, data step] and the rollbacks made. Checkpoints hold all but bad_steps."""
     step: int
     momentum: torch.Tensor
     skipped: int = 0
     bad_steps: int = 0
     resumed_world: int = 0  # the world size of the launch that wrote the checkpoint resumed (0: a fresh run)
+    skipped_data: list = field(default_factory=list)
+    recent: list = field(default_factory=list)
+    spikes: list = field(default_factory=list)
+    rollbacks: int = 0
 
     @classmethod
     def fresh(cls, model, device: torch.device) -> "TrainState":
@@ -400,19 +427,61 @@ class TrainState:
 
     def saved(self, step: int) -> dict:
         """The checkpoint's train-state keys (momentum on the CPU)."""
-        return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu()}
+        return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu(),
+                "skipped_data": self.skipped_data, "recent": self.recent, "spikes": self.spikes,
+                "rollbacks": self.rollbacks}
 
     def load(self, saved: dict):
         self.step = saved["step"]
         self.skipped = saved["skipped"]
         self.momentum.copy_(torch.as_tensor(saved["momentum"]))
         self.resumed_world = saved.get("world_size", 0)
+        self.skipped_data = saved.get("skipped_data", [])  # absent from checkpoints older than the spike guard
+        self.recent = saved.get("recent", [])
+        self.spikes = saved.get("spikes", [])
+        self.rollbacks = saved.get("rollbacks", 0)
+
+    def data_step(self) -> int:
+        """The loader step this step reads: the (step + 1)-th outside the skipped windows."""
+        data_step = self.step
+        for start, end in self.skipped_data:
+            if data_step >= start:
+                data_step += end - start
+        return data_step
+
+    def skip_data(self, start: int, end: int):
+        """Add the loader steps start .. end - 1 to the skipped windows."""
+        merged = []
+        for window in sorted(self.skipped_data + [[start, end]]):
+            if merged and window[0] <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], window[1])
+            else:
+                merged.append(list(window))
+        self.skipped_data = merged
 
 
-def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, poison: bool = False) -> dict:
+SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the median: values that barely vary trip nothing
+
+
+def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
+    """(loss, gradient norm) above which a step is a spike: each one's median over `recent` ([loss, grad norm] of the
+    last applied steps) plus `threshold` robust deviations, 1.4826 x the median absolute deviation (a normal
+    distribution's standard deviation) or SPREAD_FLOOR x the median, whichever is larger."""
+    limits = []
+    for values in zip(*recent):
+        median = statistics.median(values)
+        deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
+        limits.append(median + threshold * max(deviation, SPREAD_FLOOR * abs(median)))
+    return limits[0], limits[1]
+
+
+def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, grad_scale: float = 1.0,
+               limits: tuple[float, float] | None = None) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update.
-    Returns metrics: losses averaged over the global batch, the global tokens-per-expert counts [L, E], and each of
-    the rank's sequences' LM loss [B]."""
+    A non-finite step, or a spike (loss or gradient norm above `limits`), skips the update and the bias move.
+    `grad_scale`: a drill's factor on the gradients. Returns metrics: losses averaged over the global batch, the
+    global tokens-per-expert counts [L, E], each of the rank's sequences' LM loss [B], and why the step was skipped
+    (None, "non-finite" or "spike")."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -434,8 +503,6 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
         with autocast, phase("forward"):
             lm_loss, stats = model(tokens_BT[rows], targets_BT=targets_BT[rows],
                                    doc_ids_BT=doc_ids_BT[rows] if tc.doc_mask else None, return_stats=True)
-            if poison:
-                lm_loss = lm_loss * float("nan")
         with phase("backward"):
             ((lm_loss + stats.balance_loss) / n_micro).backward()
         counts_LE += stats.counts_LE
@@ -445,24 +512,32 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
         parallel.all_reduce_sum_(counts_LE)
         parallel.all_reduce_sum_(losses)
     losses /= parallel.rank_world()[1]
+    if grad_scale != 1:  # a drill: NaN gradients or a spike
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
     with phase("grad clip"):
         grad_norm = parallel.clip_grad_norm_(model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
     lm, aux, z, norm = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()  # one host read
-    finite = all(map(math.isfinite, (lm, aux, z, norm)))
-    if finite:
+    skipped = None
+    if not all(map(math.isfinite, (lm, aux, z, norm))):
+        skipped = "non-finite"
+    elif limits is not None and (lm + aux + z > limits[0] or norm > limits[1]):
+        skipped = "spike"
+    if skipped is None:
         with phase("optimizer"):
             optimizer.step()
         state.bad_steps = 0
-    else:  # a NaN/Inf step changes nothing: no update, no bias move
-        state.bad_steps += 1
+    else:  # a skipped step changes nothing: no update, no bias move
+        state.bad_steps += skipped == "non-finite"
         state.skipped += 1
     optimizer.zero_grad(set_to_none=True)
-    if finite and tc.balance != "none" and (tc.bias_freeze_step < 0 or state.step < tc.bias_freeze_step):
+    if skipped is None and tc.balance != "none" and (tc.bias_freeze_step < 0 or state.step < tc.bias_freeze_step):
         with phase("expert-bias update"):
             for l, moe in enumerate(layers):
                 update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
                                    tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
-    return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "finite": finite,
+    return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "skipped": skipped,
             "counts_LE": counts_LE, "loss_B": torch.cat(loss_B)}
 
 
@@ -542,15 +617,7 @@ class MetricsSinks:
         if not master:
             return
         write_config(Path(tc.out_dir), resolved, start_step)
-        if self.path.exists():
-            cut = Path(f"{self.path}.tmp")
-            with self.path.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
-                for line in old:
-                    if _logged_step(line) <= start_step:
-                        new.write(line)
-                    else:
-                        self.steps_lost += 1
-            cut.replace(self.path)
+        self.steps_lost = self.rewind(start_step)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
@@ -563,6 +630,24 @@ class MetricsSinks:
                                     config=resolved, allow_val_change=True,  # a restart may extend --steps
                                     mode=None if tc.wandb_mode == "auto" else tc.wandb_mode)
             id_file.write_text(self.wandb.id)
+
+    def rewind(self, step: int) -> int:
+        """Forget what was logged after `step`: a resumed or rolled back run logs those steps again. Returns how many
+        records it forgot."""
+        forgotten = 0
+        if self.path is not None and self.path.exists():
+            cut = Path(f"{self.path}.tmp")
+            with self.path.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
+                for line in old:
+                    if _logged_step(line) <= step:
+                        new.write(line)
+                    else:
+                        forgotten += 1
+            cut.replace(self.path)
+        if self.tensorboard:  # a new writer hides the events past `step` (the constructor's purge_step)
+            self.tensorboard.close()
+            self.tensorboard = type(self.tensorboard)(self.tensorboard.log_dir, purge_step=step + 1)
+        return forgotten
 
     def write(self, record: dict):
         if self.path is None:
@@ -586,6 +671,81 @@ class MetricsSinks:
             wandb.teardown()  # waits for W&B's service to write the run out: a torchrun worker leaves by os._exit
 
 
+# --- for whoever watches an unattended run: OUT_DIR/status.json and --on_event
+
+EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is killed
+
+
+def now() -> str:
+    """The time in UTC, ISO 8601."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class Alerts:
+    """Rank 0 keeps OUT_DIR/status.json (the run's latest numbers and its last event, rewritten whole when the loop
+    begins, at each log line, checkpoint and event) and runs --on_event's command on each event, in the background
+    with the event in its environment; a command still running after EVENT_TIMEOUT_S is killed, and a failure is said,
+    never raised. Events: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full,
+    stopped, finished, world_size_change, straggler, hang; any part of train.py may report another with event()."""
+
+    def __init__(self, run: "Run"):
+        tc = run.tc
+        self.master = run.master
+        self.command = tc.on_event
+        self.out_dir = tc.out_dir
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts of this job
+        self.status = None  # written once the loop begins: a launch with nothing to do writes nothing
+        self.last_event = None
+        self.waiting = []
+        self.lock = threading.Lock()  # an event may come from another thread (a watchdog)
+        if self.command:
+            say(f"on each event: {self.command}")
+
+    def event(self, name: str, step: int, message: str):
+        """Say `message` (one line) and report it as event `name` at `step`; called alike on every rank."""
+        say(message)
+        if not self.master:
+            return
+        self.last_event = {"name": name, "step": step, "message": message, "time": now()}
+        if self.status is not None:
+            self.update()
+        if not self.command:
+            return
+        env = {**os.environ, "NANOTITAN_EVENT": name, "NANOTITAN_STEP": str(step), "NANOTITAN_MESSAGE": message,
+               "NANOTITAN_OUT_DIR": self.out_dir}
+        try:  # in its own session: torchrun tearing the job down does not kill the alert that says why
+            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as e:
+            say(f"--on_event for {name} could not start ({e.strerror}); training goes on")
+            return
+        waiter = threading.Thread(target=self._wait, args=(proc, name), daemon=True)
+        waiter.start()
+        self.waiting.append(waiter)
+
+    def _wait(self, proc: subprocess.Popen, name: str):
+        try:
+            failed = proc.wait(timeout=EVENT_TIMEOUT_S) and f"exit code {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            failed = f"killed after {EVENT_TIMEOUT_S}s"
+        if failed:
+            say(f"--on_event for {name} failed ({failed}); training goes on")
+
+    def update(self, **numbers):
+        """Rank 0: rewrite status.json with the loop's latest `numbers` and the last event."""
+        with self.lock:
+            self.status = {**(self.status or {}), **numbers, "restarts": self.restarts,
+                           "last_event": self.last_event, "updated": now()}
+            data.write_durably(os.path.join(self.out_dir, "status.json"), json.dumps(self.status, indent=1) + "\n")
+
+    def close(self):
+        """Wait for the commands still running (each ends within EVENT_TIMEOUT_S)."""
+        for waiter in self.waiting:
+            waiter.join()
+
+
 # --- fault tolerance: preemption signals and a hang watchdog
 
 class Guard:
@@ -594,8 +754,9 @@ class Guard:
     the watchdog dumps every thread's stack, writes the hang report (report_hang, into `hang_dir`) and exits 3, so
     torchrun restarts the job from the newest checkpoint."""
 
-    def __init__(self, timeout_s: float, hang_dir: str | None = None):
+    def __init__(self, timeout_s: float, hang_dir: str | None = None, alerts: "Alerts | None" = None):
         self.requested = self.interrupted = False
+        self.alerts = alerts
         self.previous = {sig: signal.signal(sig, self._signal)
                          for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         self.timeout_s = timeout_s
@@ -622,11 +783,18 @@ class Guard:
                       f"stacks of every thread follow, then exit 3", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                verdict = None
                 if self.hang_dir:
                     try:
-                        report_hang(self.hang_dir, self.step, self.timeout_s)
+                        verdict = report_hang(self.hang_dir, self.step, self.timeout_s)
                     except Exception as e:  # an unwritable OUT_DIR must not keep the process from exiting
                         print(f"watchdog: no hang report ({e})", file=sys.stderr, flush=True)
+                if self.alerts is not None:
+                    self.alerts.event("hang", self.step, verdict or f"watchdog: no step completed for "
+                                                                   f"{self.timeout_s:.0f}s after step {self.step}")
+                if verdict and parallel.rank_world()[1] > 1:
+                    dist.distributed_c10d._get_default_store().set("hang/said", "1")
+                sys.stdout.flush()
                 os._exit(3)
 
     def close(self):
@@ -695,11 +863,11 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
         f" ({'; '.join(errors)})" if errors else "")
 
 
-def report_hang(hang_dir: str, step: int, timeout_s: float):
+def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
     torchrun the ranks also exchange their records through the job's store, which answers while collectives hang, and
-    rank 0 prints hang_verdict; the others wait for it (bounded), as their exit would break the collective rank 0
-    waits in and end it before it speaks."""
+    rank 0 returns hang_verdict's sentence to say (then sets hang/said); the others wait for that (bounded), as their
+    exit would break the collective rank 0 waits in and end it before it speaks."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -727,9 +895,7 @@ def report_hang(hang_dir: str, step: int, timeout_s: float):
     with contextlib.suppress(Exception):  # past it, the missing ranks are named
         store.wait(keys, patience)
     records = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}
-    print(f"{hang_verdict(records, world)}; each rank's stack and last collectives are in {hang_dir}/", file=sys.stderr,
-          flush=True)
-    store.set("hang/said", "1")
+    return f"{hang_verdict(records, world)}; each rank's stack and last collectives are in {hang_dir}/"
 
 
 # --- the run's output directory: one live job and one run per OUT_DIR, checked before anything heavy
@@ -873,8 +1039,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     return tc, resume_from
 
 
-def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState,
-           resolved: dict) -> TrainConfig:
+def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState, resolved: dict,
+           alerts: Alerts) -> TrainConfig:
     """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
     optimizer and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
     checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
@@ -891,7 +1057,8 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: Tr
         return tc
     state.load(saved)
     resolved["run_id"] = saved.get("run_id")
-    say(f"resumed from {resume_from} at step {state.step}")
+    alerts.event("restart" if alerts.restarts else "resume", state.step, f"resumed from {resume_from} at step "
+                                                                         f"{state.step}")
     schedule_steps = saved.get("schedule_steps", tc.steps)
     if schedule_steps == tc.steps:
         return tc
@@ -970,7 +1137,8 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
         data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, tokenizer["vocab_size"])
-    resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(cfg), "world_size": world,
+    train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "on_event"}  # may hold a secret (a webhook)
+    resolved = {"train": train, "model": dataclasses.asdict(cfg), "world_size": world,
                 "tokenizer": {"name": tokenizer["tokenizer"],
                               "source": tokenizer.get("tokenizer_path", tokenizer["tokenizer"])},
                 "data": mixture.identity()}
@@ -1067,28 +1235,35 @@ def flops_per_token(run: Run) -> float:
     return flops
 
 
+SPIKE_DRILL_SCALE = 100.0  # --spike_at_step's factor on the gradients
+
+
 class Drills:
     """The faults a run injects on purpose, to show it survives them: a dying rank (torchrun restarts the job, which
-    resumes), a hung rank (the watchdog and its hang report), a NaN loss (the non-finite guard), a collapsed router
-    (expert balancing), a slow rank (the straggler report). The first two fire on the first launch only, so the
-    restarted job can finish."""
+    resumes), a hung rank (the watchdog and its hang report), NaN gradients (the non-finite guard), a gradient spike
+    (the spike guard), a collapsed router (expert balancing), a slow rank (the straggler report). The first two fire
+    on the first launch only, so the restarted job can finish; the NaN and spike drills fire on the batch of a data
+    step, as bad data would: a skipped batch is not read again."""
 
     def __init__(self, run: Run):
         self.run = run
         self.tc = run.tc
         self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.spike_at = {int(n) for n in self.tc.spike_at_step.split(",") if n.strip()}
 
     def skew_router(self, model):
         """--skew_router: the first 2*top_k experts of every MoE layer start ahead (a resume loads the saved bias)."""
         for moe in model.moe_layers() if self.tc.skew_router else ():
             moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
 
-    def before_step(self, step: int) -> bool:
-        """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); True when
-        --nan_at_step makes this step's loss NaN."""
+    def before_step(self, step: int, data_step: int) -> float:
+        """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); returns
+        the factor on this step's gradients: NaN with --nan_at_step, SPIKE_DRILL_SCALE with --spike_at_step, else 1."""
         if step == self.tc.stall_at_step and self.first_launch and self.run.rank == self.run.layout.world - 1:
             time.sleep(10 * self.tc.step_timeout + 60)
-        return step == self.tc.nan_at_step
+        if data_step == self.tc.nan_at_step:
+            return math.nan
+        return SPIKE_DRILL_SCALE if data_step in self.spike_at else 1.0
 
     def straggle(self, seconds: float):
         """--straggle_rank: that rank sleeps `seconds`, as long as its own work of the step took."""
@@ -1158,13 +1333,24 @@ def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> 
                     f"{median:.3f}s; they wait {wait:.3f}s per step for it")
 
 
+class Stopped(RuntimeError):
+    """The run stopped itself (too many non-finite steps, too many rollbacks): one sentence, said as it stops."""
+
+
+DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than a spike's limit: a damaged checkpoint
+
+
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint) or after --max_bad_steps non-finite steps in a row. A checkpoint write that fails
-    (a full disk) is said in one line and the run goes on from the previous one; the final one's failure is raised."""
+    preemption (after a checkpoint). A step that is skipped (non-finite, or a spike) changes nothing and its batch is
+    skipped data: the same step is taken again on the next batch, so the step counts updates and the LR schedule
+    follows it. --max_bad_steps non-finite steps in a row stop the run; a burst of spikes rolls back (rollback); right
+    after a resume, a loss far beyond what the checkpoint recorded falls back to the checkpoint before (fall_back). A
+    checkpoint write that fails (a full disk) is said in one line and the run goes on from the previous one; the final
+    one's failure is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
-                 flops_per_token: float, drills: Drills):
+                 flops_per_token: float, drills: Drills, alerts: Alerts):
         tc = run.tc
         self.run = run
         self.model = model
@@ -1175,48 +1361,57 @@ class Loop:
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak = peak_tflops(run.device, tc.peak_tflops)
         self.tokens_per_step = tc.global_batch * tc.seq_len
-        self.guard = Guard(tc.step_timeout, os.path.join(tc.out_dir, "hang"))
+        self.guard = Guard(tc.step_timeout, os.path.join(tc.out_dir, "hang"), alerts)
         self.times = StepTimes(run)
         self.ckpt_root = os.path.join(tc.out_dir, "checkpoints")
         self.drills = drills
         self.repeated = set()  # the sources warned about being read more than REPEATED_EPOCHS times
+        self.alerts = alerts
         self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
         self.logged_step = self.start_step = state.step
+        self.resumed = state.step > 0  # the first step checks the checkpoint against the losses it recorded
+        if tc.allow_changed:  # those losses are of other data or another tokenizer: the spike statistics start again
+            state.recent = []
         self.ckpt_step = 0
         self.final = False
-        self.resumed = self.restarted_as() if state.step else None
+        self.disk_low = False
+        self.restart_record = self.restarted_as() if state.step else None
+        self.report()
 
     def restarted_as(self) -> dict:
         """What this launch resumed as, for its first metrics record; a changed world size is said once."""
         old = self.state.resumed_world
         world = self.run.layout.world
         if old and old != world:
-            say(f"world size changed: {old} -> {world} ranks ({self.run.layout.describe().splitlines()[0]}), resumed "
-                f"at step {self.state.step}, {self.sinks.steps_lost} logged steps trained again")
+            self.alerts.event("world_size_change", self.state.step, f"world size changed: {old} -> {world} ranks "
+                              f"({self.run.layout.describe().splitlines()[0]}), resumed at step {self.state.step}, "
+                              f"{self.sinks.steps_lost} logged steps trained again")
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
-        for step in range(self.start_step, self.run.tc.steps):
-            if self.step(step):
+        while self.state.step < self.run.tc.steps:
+            if self.step():
                 break
         self.complete()
         return self.finish()
 
-    def step(self, step: int) -> bool:
-        """One optimizer step and the decisions after it; True when the run stops here (preempted)."""
+    def step(self) -> bool:
+        """One optimizer step (state.step) and the decisions after it; True when the run stops here (preempted)."""
         run = self.run
         tc = self.run.tc
         state = self.state
-        state.step = step
+        step = state.step
+        data_step = state.data_step()
         lr = lr_at(min(step, self.schedule.steps - 1), self.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        poison = self.drills.before_step(step)
+        grad_scale = self.drills.before_step(step, data_step)
         t_start = time.perf_counter()
-        batch = self.loader.batch(step)
+        batch = self.loader.batch(data_step)
         t_data = time.perf_counter()
-        out = self.out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, poison=poison)
+        limits, damaged_above = self.limits()
+        out = train_step(self.model, self.optimizer, batch, tc, run.autocast, state, grad_scale, limits)
         self.drills.straggle(time.perf_counter() - t_data)
         if run.device.type == "cuda":
             torch.cuda.synchronize()  # the device's compute, not only the host's launches
@@ -1227,7 +1422,7 @@ class Loop:
         # integers below 2**53 exact); then each source's summed loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
-        source_B = torch.as_tensor(self.loader.sources_of(step), device=run.device)
+        source_B = torch.as_tensor(self.loader.sources_of(data_step), device=run.device)
         loss_S = torch.zeros(len(self.loader.sources), dtype=torch.float64, device=run.device)
         loss_S.index_add_(0, source_B, out["loss_B"].double())
         flags = torch.tensor([self.guard.requested, writing, clock_due, batch[0].sum().item()], dtype=torch.float64,
@@ -1238,17 +1433,54 @@ class Loop:
         if not writing:  # every rank has written the last checkpoint: mark it complete now, not at the next save,
             self.complete()  # so a crash loses at most ckpt_every steps
         self.guard.beat(step + 1)
+        self.resumed = False
+        applied = out["skipped"] is None
+        if applied:
+            self.applied(step, data_step, lr, out, int(tokens_sum), reduced[4:])
+        else:
+            self.skip(step, data_step, out, limits, damaged_above)
+        last = applied and state.step == tc.steps
+        if last or preempted or clock_due or (applied and tc.ckpt_every and state.step % tc.ckpt_every == 0):
+            self.save(state.step, final=last or preempted)
+        if preempted:
+            say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
+                f"{state.step}; exiting")
+            return True
+        if applied:
+            self.drills.after_step(step)
+        return False
+
+    def limits(self) -> tuple[tuple[float, float] | None, float]:
+        """(the loss and gradient norm above which this step is skipped, the loss above which the checkpoint just
+        loaded is damaged). Spikes are judged once --spike_window applied steps are recorded; a checkpoint, on the
+        first step after it is loaded, against whatever it recorded."""
+        tc = self.run.tc
+        recent = self.state.recent
+        if not tc.spike_threshold or not recent:
+            return None, math.inf
+        limits = spike_limits(recent, tc.spike_threshold) if len(recent) >= tc.spike_window else None
+        if not self.resumed:
+            return limits, math.inf
+        damaged_above = spike_limits(recent, DAMAGE_FACTOR * tc.spike_threshold)[0]
+        return limits or (damaged_above, math.inf), damaged_above
+
+    def applied(self, step: int, data_step: int, lr: float, out: dict, tokens_sum: int, loss_S: list[float]):
+        """An update made: the step counts, its values join the spike statistics; logged and evaluated when due."""
+        run = self.run
+        tc = run.tc
+        state = self.state
+        state.step = step + 1
+        state.recent = (state.recent + [[out["loss"], out["grad_norm"]]])[-tc.spike_window:]
+        self.out = out
         self.first_loss = out["lm_loss"] if self.first_loss is None else self.first_loss
-        last = step == tc.steps - 1
+        last = state.step == tc.steps
         record = {"step": step + 1, "loss": out["loss"], "lm_loss": out["lm_loss"], "aux_loss": out["aux_loss"],
-                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": int(tokens_sum),
-                  **self.sources(step, reduced[4:])}
-        if not out["finite"]:
-            self.non_finite(step)
+                  "z_loss": out["z_loss"], "lr": lr, "grad_norm": out["grad_norm"], "tokens_sum": tokens_sum,
+                  "data_step": data_step, **self.sources(data_step, loss_S)}
         if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
             record.update(self.log(step, lr))
-        if step == self.start_step and self.resumed:
-            record["resumed"] = self.resumed
+        if step == self.start_step and self.restart_record:
+            record["resumed"] = self.restart_record
         if self.val_loaders and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
             losses = {path: evaluate(self.model, loader, tc.eval_batches, tc.micro_batch, run.autocast, tc.doc_mask)
                       for path, loader in self.val_loaders.items()}
@@ -1257,14 +1489,26 @@ class Loop:
             by_source = "" if len(losses) == 1 else " (" + ", ".join(f"{p} {v:.4f}" for p, v in losses.items()) + ")"
             say(f"step {step + 1:5d} | val loss {self.val_loss:.4f}{by_source}")
         self.sinks.write(record)
-        if last or preempted or clock_due or (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0):
-            self.save(step + 1, final=last or preempted)
-        if preempted:
-            say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
-                    f"{step + 1}; exiting")
-            return True
-        self.drills.after_step(step)
-        return False
+
+    def skip(self, step: int, data_step: int, out: dict, limits: tuple[float, float], damaged_above: float):
+        """A skipped step: a damaged checkpoint falls back; otherwise its batch joins the skipped data, and too many
+        non-finite steps in a row stop the run, too many spikes roll it back."""
+        tc = self.run.tc
+        state = self.state
+        values = f"loss {out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}"
+        if out["loss"] > damaged_above:
+            return self.fall_back(step, values, damaged_above)
+        state.skip_data(data_step, data_step + 1)
+        if out["skipped"] == "non-finite":
+            return self.non_finite(step)
+        state.spikes = [s for s in state.spikes if s[0] > step - tc.spike_window] + [[step, data_step]]
+        self.alerts.event("spike", step + 1, f"step {step + 1}: spike (loss {out['loss']:.4g}, limit {limits[0]:.4g}; "
+                                             f"gradient norm {out['grad_norm']:.4g}, limit {limits[1]:.4g}: the "
+                                             f"last {len(state.recent)} steps' medians + {tc.spike_threshold:g} "
+                                             f"robust deviations); skipped with its batch (data step {data_step}), "
+                                             f"{len(state.spikes)} within {tc.spike_window} steps")
+        if tc.spike_rollback and len(state.spikes) >= tc.spike_rollback:
+            self.rollback(step, data_step)
 
     def sources(self, step: int, loss_S: list[float]) -> dict:
         """The record's fields by source: the step's tokens, their mean loss (from each source's summed sequence
@@ -1284,13 +1528,70 @@ class Loop:
     def non_finite(self, step: int):
         """Said for a non-finite step; too many in a row stop the run."""
         state = self.state
-        say(f"step {step + 1}: non-finite loss or gradient norm; step skipped "
-                     f"({state.bad_steps} in a row, {state.skipped} in total)")
+        say(f"step {step + 1}: non-finite loss or gradient norm; step skipped with its batch "
+            f"({state.bad_steps} in a row, {state.skipped} skipped in total)")
         if state.bad_steps >= self.run.tc.max_bad_steps:
-            self.guard.close()
-            raise RuntimeError(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; "
-                               f"the last good checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr "
-                               f"or inspect the data of these steps, then resume")
+            self.stop(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; the last good "
+                      f"checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr or inspect the data "
+                      f"of these steps, then resume")
+
+    def rollback(self, step: int, data_step: int):
+        """A burst of spikes, PaLM's recipe: back to the newest checkpoint before the first, the data from the first
+        spike's batch through the last's skipped. The skipped windows and the rollbacks made carry over; the abandoned
+        checkpoints after the one loaded are deleted, so that a restart never resumes them."""
+        tc = self.run.tc
+        state = self.state
+        first_step, first_data = state.spikes[0]
+        burst = f"{len(state.spikes)} spikes within {tc.spike_window} steps, the first at step {first_step + 1}"
+        if state.rollbacks >= tc.max_rollbacks:
+            self.stop(f"{burst}, call for rollback {state.rollbacks + 1}, beyond --max_rollbacks={tc.max_rollbacks}; "
+                      f"lower --lr or inspect data steps {first_data} to {data_step}, then resume with a larger "
+                      f"--max_rollbacks")
+        state.skip_data(first_data, data_step + 1)
+        history = {"skipped_data": state.skipped_data, "skipped": state.skipped, "rollbacks": state.rollbacks + 1,
+                   "spikes": []}
+        path = self.reload(first_step, history)
+        if path is None:
+            self.stop(f"{burst}, call for a rollback, but no checkpoint before step {first_step + 1} is left; lower "
+                      f"--ckpt_every or raise --keep_ckpts, then resume")
+        if self.run.master:
+            checkpoint.remove_after(self.ckpt_root, state.step)
+        self.alerts.event("rollback", state.step, f"{burst}: rolled back to {path} (rollback {state.rollbacks} of "
+                                                  f"at most {tc.max_rollbacks}); data steps {first_data} to "
+                                                  f"{data_step} are skipped")
+
+    def fall_back(self, step: int, values: str, damaged_above: float):
+        """The checkpoint just loaded makes a loss far beyond those it recorded: damaged; the one before it loads."""
+        damaged = (f"step {step + 1}, the first after loading the checkpoint of step {step}, has {values}, far beyond "
+                   f"the loss {damaged_above:.4g} its recorded losses allow: that checkpoint looks damaged and is not "
+                   f"trained on")
+        path = self.reload(step - 1)
+        if path is None:
+            self.stop(f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start again with "
+                      f"--resume=none --overwrite", checkpoint.CorruptCheckpoint)
+        self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
+
+    def reload(self, up_to: int, history: dict | None = None) -> str | None:
+        """Load the newest checkpoint of a step at most `up_to` that loads, as a resume does, with `history` (train
+        state keys) laid over its train state; its path (None: there is none)."""
+        self.complete()
+        path, saved = checkpoint.load_latest(self.ckpt_root, {"model": self.model, "optim": self.optimizer},
+                                             self.resolved, say, up_to=up_to)
+        if saved is None:
+            return None
+        self.state.load({**saved, **(history or {})})
+        self.sinks.rewind(self.state.step)
+        self.resumed = True
+        self.logged_step = self.start_step = self.state.step
+        self.t_start = self.t_last = time.time()
+        return path
+
+    def stop(self, message: str, error: type = Stopped):
+        """Stop the run with one sentence, reported as the event `stopped` first."""
+        self.alerts.event("stopped", self.state.step, message)
+        self.guard.close()
+        self.alerts.close()
+        raise error(message)
 
     def save(self, step: int, final: bool):
         self.complete()  # the previous asynchronous write must be complete before the next one starts
@@ -1319,15 +1620,28 @@ class Loop:
             return self.failed(e)
         say(f"checkpoint step_{self.ckpt_step:08d} complete, "
                      f"{time.time() - self.ckpt_time:.1f}s after it began")
+        if self.run.master:
+            self.report()  # its newest checkpoint
+            self.check_disk()
+
+    def check_disk(self):
+        """After each checkpoint, an event when OUT_DIR has room for fewer than two more (once, until it has again)."""
+        size = sum(f.stat().st_size for f in Path(self.ckpt_root, f"step_{self.ckpt_step:08d}").iterdir())
+        free = shutil.disk_usage(self.run.tc.out_dir).free
+        if free < 2 * size and not self.disk_low:
+            self.alerts.event("disk_nearly_full", self.ckpt_step, f"{self.run.tc.out_dir} has {free / 2**30:.2f} GiB "
+                                                                  f"free, room for fewer than two more checkpoints of "
+                                                                  f"{size / 2**30:.2f} GiB; free some space or lower "
+                                                                  f"--keep_ckpts")
+        self.disk_low = free < 2 * size
 
     def failed(self, e: checkpoint.SaveFailed):
         if self.final:
             self.lost = e  # nothing follows to go on with: finish raises it once the run is wound up
-        else:
-            say(f"{e} Training goes on.")
+        self.alerts.event("checkpoint_failed", self.ckpt_step, str(e) if self.final else f"{e} Training goes on.")
 
     def log(self, step: int, lr: float) -> dict:
-        """The console line of this step, and the record's speed, memory and balance fields."""
+        """The console line of this step, and the record's speed, memory and balance fields; status.json too."""
         tc = self.run.tc
         device = self.run.device
         out = self.out
@@ -1349,27 +1663,44 @@ class Loop:
                      f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
                      f" | eta {eta / 60:.1f}m")
         if straggler:
-            say(straggler)
+            self.alerts.event("straggler", step + 1, straggler)
+        self.report(loss=out["loss"], tokens_per_s=tok_s, mfu=mfu, eta_s=eta)
         return dict(tokens_per_s=tok_s, mfu=mfu, peak_mem_gib=mem, skipped_steps=self.state.skipped, **bal, **times)
+
+    def report(self, **numbers):
+        """Rank 0's status.json: the step reached, the layout, the newest checkpoint and the latest step's `numbers`."""
+        if not self.run.master:
+            return
+        layout = self.run.layout
+        state = self.state
+        self.alerts.update(step=state.step, steps=self.run.tc.steps, tokens=state.step * self.tokens_per_step,
+                           **numbers, last_checkpoint=checkpoint.latest(self.ckpt_root), world_size=layout.world,
+                           layout={"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": layout.ep},
+                           skipped_steps=state.skipped, rollbacks=state.rollbacks)
 
     def finish(self) -> dict:
         """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
         tc = self.run.tc
         out = self.out
+        step = self.state.step
         if out is not None:
-            say(f"done: {self.state.step + 1 - self.start_step} steps, "
-                         f"{(self.state.step + 1) * self.tokens_per_step:,} tokens seen in all, "
-                         f"{time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {out['loss']:.3f}, "
-                         f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
-                         f"outputs in {tc.out_dir}/")
+            summary = (f"done: {step - self.start_step} steps, {step * self.tokens_per_step:,} tokens seen in all, "
+                       f"{time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {out['loss']:.3f}, "
+                       f"val loss {self.val_loss if self.val_loss is None else round(self.val_loss, 3)}; "
+                       f"outputs in {tc.out_dir}/")
+            if step == tc.steps:
+                self.alerts.event("finished", step, summary)
+            else:
+                say(summary)
         if tc.sample_tokens and out is not None and not self.guard.requested:
             sample(self.run, self.model, self.resolved["tokenizer"]["source"])
         self.guard.close()
         self.sinks.close()
+        self.alerts.close()
         if self.lost:
             raise self.lost
         return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
-                "step": self.state.step + 1}
+                "step": step}
 
 
 def sample(run: Run, model, tokenizer: str):
@@ -1408,26 +1739,28 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     flops = flops_per_token(run)
     drills = Drills(run)
     drills.skew_router(model)
+    alerts = Alerts(run)
 
     state = TrainState.fresh(model, run.device)
-    schedule = resume(resume_from, tc, model, optimizer, state, resolved)
+    schedule = resume(resume_from, tc, model, optimizer, state, resolved, alerts)
     if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
-    return Loop(run, model, optimizer, state, (train_loader, val_loaders), schedule, resolved, flops, drills).train()
+    return Loop(run, model, optimizer, state, (train_loader, val_loaders), schedule, resolved, flops, drills,
+                alerts).train()
 
 
 if __name__ == "__main__":
     try:
         main(*parse_args())
-    except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed) as e:
+    except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed, Stopped) as e:
         # A bad flag or layout fails alike on every rank: rank 0 says it. Data can be one rank's own (a bad token in
         # its rows): every rank says its own.
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
             time.sleep(2)
-        sys.exit(1 if isinstance(e, checkpoint.SaveFailed) else 2)
+        sys.exit(1 if isinstance(e, (checkpoint.SaveFailed, Stopped)) else 2)
     except KeyboardInterrupt:  # before the loop (nothing to save yet), or a second Ctrl-C
         print("interrupted: no checkpoint written; exiting", file=sys.stderr)
         sys.exit(130)

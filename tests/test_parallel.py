@@ -89,7 +89,7 @@ def train_steps(run, model, tokens):
         mine = tokens[step, run.rank * local_batch:(run.rank + 1) * local_batch]
         out = train.train_step(model, optimizer, (mine[:, :-1], mine[:, 1:], torch.zeros_like(mine[:, 1:])), run.tc,
                                run.autocast, state)
-        assert out["finite"]
+        assert out["skipped"] is None
         record["loss"].append(out["loss"])
         record["grad_norm"].append(out["grad_norm"])
         record["counts"].append(out["counts_LE"].cpu())

@@ -135,11 +135,13 @@ def test_model_that_cannot_fit_in_memory_is_an_error(corpus_dir, tmp_path, monke
     with pytest.raises(ValueError, match="the weights, gradients and optimizer state need"):
         train.main(tc, overrides)
 
-def test_non_finite_step_is_skipped(corpus_dir, tmp_path):
+def test_non_finite_step_is_skipped_with_its_batch(corpus_dir, tmp_path):
+    """The NaN step's batch is skipped data: step 2 is taken again on the next batch, and four updates are made."""
     tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1"))
     train.main(tc, overrides)
     rows = metrics(tmp_path)
-    assert math.isnan(rows[1]["loss"]) and rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["data_step"] for r in rows] == [0, 2, 3, 4]
+    assert rows[-1]["skipped_steps"] == 1 and all(math.isfinite(r["loss"]) for r in rows)
 
 
 def test_too_many_non_finite_steps_stop_the_run(corpus_dir, tmp_path):
@@ -256,10 +258,13 @@ def test_router_z_loss_reaches_the_gradient_the_optimizer_applies():
         torch.testing.assert_close(got, router.grad, rtol=1e-5, atol=1e-8)
 
 
-def test_non_finite_step_leaves_the_training_state_bitwise_as_it_was():
-    """After real steps have moved everything, the NaN drill step leaves every weight, every optimizer state tensor,
-    each MoE layer's expert bias and the balancing momentum bitwise as they were; it only counts one skipped step,
-    and the next good step ends the run of bad ones."""
+@pytest.mark.parametrize("skipped, drill", [("non-finite", dict(grad_scale=math.nan)),
+                                             ("spike", dict(grad_scale=100.0, limits=(math.inf, 50.0)))])
+def test_skipped_step_leaves_the_training_state_bitwise_as_it_was(skipped, drill):
+    """After real steps have moved everything, a NaN drill step, or a spike (a gradient norm above its limit), leaves
+    every weight, every optimizer state tensor, each MoE layer's expert bias and the balancing momentum bitwise as they
+    were; it only counts one skipped step (a non-finite one also one in a row), and the next good step ends the run of
+    bad ones."""
     model, optimizer, tc, state = step_setup(STEP_CFG)
     names = {p: name for name, p in model.named_parameters()}
 
@@ -274,14 +279,14 @@ def test_non_finite_step_leaves_the_training_state_bitwise_as_it_was():
     assert biases(model).abs().sum() > 0 and state.momentum.abs().sum() > 0
     before = snapshot()
     state.step = 3
-    out = train.train_step(model, optimizer, random_batch(3), tc, NO_AUTOCAST, state, poison=True)
+    out = train.train_step(model, optimizer, random_batch(3), tc, NO_AUTOCAST, state, **drill)
     after = snapshot()
-    assert not out["finite"] and (state.skipped, state.bad_steps) == (1, 1)
+    assert out["skipped"] == skipped and (state.skipped, state.bad_steps) == (1, int(skipped == "non-finite"))
     assert after.keys() == before.keys() and any(key.startswith("optimizer.") for key in before)
     for key, value in before.items():
         assert torch.equal(after[key], value), f"{key} changed on a skipped step"
     state.step = 4
-    assert train.train_step(model, optimizer, random_batch(4), tc, NO_AUTOCAST, state)["finite"]
+    assert train.train_step(model, optimizer, random_batch(4), tc, NO_AUTOCAST, state)["skipped"] is None
     assert (state.skipped, state.bad_steps) == (1, 0)
 
 

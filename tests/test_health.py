@@ -1,0 +1,252 @@
+"""An unattended run's health: spikes skipped, bursts rolled back, damaged checkpoints caught after a resume,
+status.json and the --on_event command.
+
+    python -m pytest tests/test_health.py -q
+
+Each test runs train.py in this process on the tiny corpus with the drills a user rehearses with (--spike_at_step,
+--nan_at_step) and checks what the user relies on. The reference for a skipped batch is a run whose loader itself
+leaves that batch out: a skipped spike, or a rolled back burst, must end bitwise as that run does.
+"""
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import shlex
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import data
+import train
+from conftest import torchrun
+from test_resume import EXACT, args, rows, run_here, tensors, train_state
+
+# Spikes judged from the 6th step on, against the last 5; far enough (10 robust deviations) that the tiny runs'
+# ordinary steps never trip it, while the drill's 100-fold gradients always do.
+GUARD = ["--spike_window=5", "--spike_threshold=10"]
+
+
+def loader_without(monkeypatch, *skipped: int):
+    """Make every training loader read the batches of the data steps not in `skipped`, in order: the run a skipped
+    batch must match, made without train.py's own bookkeeping of skipped data."""
+    batch = data.DataLoader.batch
+    kept = [step for step in range(1000) if step not in skipped]
+
+    def without(self, step):
+        return batch(self, kept[step] if self.split == "train" else step)
+
+    monkeypatch.setattr(data.DataLoader, "batch", without)
+
+
+def assert_same_run(out: Path, ref: Path, final: int):
+    """Every logged step's losses, gradient norm, LR and tokens, and the final checkpoint's tensors, bit for bit."""
+    got = rows(out)
+    want = rows(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, final + 1))
+    for r, w in zip(got, want):
+        assert {k: r[k] for k in EXACT} == {k: w[k] for k in EXACT}, r["step"]
+    got_tensors = tensors(str(out / "checkpoints" / f"step_{final:08d}"))
+    want_tensors = tensors(str(ref / "checkpoints" / f"step_{final:08d}"))
+    assert got_tensors.keys() == want_tensors.keys() and any(k.startswith("optim.") for k in got_tensors)
+    for k in want_tensors:
+        assert torch.equal(got_tensors[k], want_tensors[k]), k
+
+
+# --- a single spike: skipped, with its batch
+
+def test_a_single_spike_is_skipped_as_if_its_batch_were_not_in_the_data(corpus_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "spiked"
+    stdout = run_here(args(corpus_dir, out, "--steps=9", "--ckpt_every=0", "--spike_at_step=6", *GUARD), capsys)
+    spikes = [line for line in stdout.splitlines() if ": spike (" in line]
+    assert len(spikes) == 1 and spikes[0].startswith("step 7: spike (loss ")
+    assert "skipped with its batch (data step 6), 1 within 5 steps" in spikes[0]
+    assert [r["data_step"] for r in rows(out)] == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # step 7 redone on the next batch
+    assert train_state(str(out / "checkpoints" / "step_00000009"))["skipped_data"] == [[6, 7]]
+
+    ref = tmp_path / "reference"
+    loader_without(monkeypatch, 6)
+    run_here(args(corpus_dir, ref, "--steps=9", "--ckpt_every=0", *GUARD), capsys)
+    assert_same_run(out, ref, 9)
+
+
+# --- a burst: rolled back to the checkpoint before it, its data skipped; a restart keeps the skip
+
+BURST = ["--steps=12", "--ckpt_every=2", "--spike_at_step=7,9,10", "--spike_rollback=3", *GUARD]
+
+
+@pytest.fixture(scope="module")
+def burst(corpus_dir, tmp_path_factory):
+    """A run whose data steps 7, 9 and 10 spike: step 8 skips data step 7 and trains on 8, step 9 skips 9 and 10,
+    the third spike in 5 steps; (OUT_DIR, its stdout)."""
+    out = tmp_path_factory.mktemp("burst")
+    stdout = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as run_here runs
+    try:
+        with contextlib.redirect_stdout(stdout):
+            train.main(*train.parse_args(args(corpus_dir, out, *BURST)))
+    finally:
+        torch.set_num_threads(threads)
+    return out, stdout.getvalue()
+
+
+def test_a_burst_of_spikes_rolls_back_once_and_skips_its_window(burst, corpus_dir, tmp_path, capsys, monkeypatch):
+    out, stdout = burst
+    events = [line.split(":")[0] for line in stdout.splitlines() if ": spike (" in line or "rolled back" in line]
+    assert events == ["step 8", "step 9", "step 9", "3 spikes within 5 steps, the first at step 8"]
+    assert (f"3 spikes within 5 steps, the first at step 8: rolled back to {out / 'checkpoints' / 'step_00000006'} "
+            f"(rollback 1 of at most 5); data steps 7 to 10 are skipped") in stdout
+    # Step 8 trained on data step 8 before the rollback; after it, data steps 7 to 10 are never read again.
+    assert [r["data_step"] for r in rows(out)] == [0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15]
+    final = train_state(str(out / "checkpoints" / "step_00000012"))
+    assert (final["skipped_data"], final["rollbacks"]) == ([[7, 11]], 1)
+
+    ref = tmp_path / "reference"
+    loader_without(monkeypatch, 7, 8, 9, 10)
+    run_here(args(corpus_dir, ref, "--steps=12", "--ckpt_every=2", *GUARD), capsys)
+    assert_same_run(out, ref, 12)
+
+
+def test_a_rollback_survives_a_restart(burst, corpus_dir, tmp_path, capsys):
+    """A new launch resuming from a checkpoint written after the rollback reads the data the run read."""
+    run, _ = burst
+    out = shutil.copytree(run, tmp_path / "run")
+    ckpt = out / "checkpoints" / "step_00000008"  # the rolled back run's: the abandoned step 8 was deleted
+    assert train_state(str(ckpt))["skipped_data"] == [[7, 11]]
+    stdout = run_here(args(corpus_dir, out, *BURST, f"--resume={ckpt}"), capsys)
+    assert f"resumed from {ckpt} at step 8" in stdout and ": spike (" not in stdout
+    again = rows(out)
+    before = rows(run)
+    assert [r["step"] for r in again] == list(range(1, 13))
+    for r, w in zip(again[8:], before[8:]):
+        assert {k: r[k] for k in (*EXACT, "data_step")} == {k: w[k] for k in (*EXACT, "data_step")}, r["step"]
+
+
+def test_a_run_stopped_right_after_a_rollback_never_resumes_the_abandoned_checkpoints(burst, corpus_dir, tmp_path,
+                                                                                    capsys):
+    """The run stops (NaN gradients) on the step after the rollback, before any checkpoint records it: the next launch
+    resumes step 6, not the abandoned step 8, meets the burst again, and ends as the run that never stopped."""
+    out = tmp_path / "run"
+    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 8;"):
+        run_here(args(corpus_dir, out, *BURST, "--nan_at_step=11", "--max_bad_steps=1"), capsys)
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000004", "step_00000006"]
+    run_here(args(corpus_dir, out, *BURST), capsys)
+    assert_same_run(out, burst[0], 12)
+
+
+def test_every_rank_makes_the_same_decisions(burst, corpus_dir, tmp_path):
+    """On 2 ranks (the experts split over both) the burst is skipped and rolled back as in one process: the spike
+    statistics are of the global batch's all-reduced loss and gradient norm, so every rank decides alike."""
+    out = tmp_path / "run"
+    torchrun(2, "train.py", *args(corpus_dir, out, *BURST, "--ep=2", "--micro_batch=1"))
+    single = rows(burst[0])
+    got = rows(out)
+    assert [r["data_step"] for r in got] == [r["data_step"] for r in single]
+    assert [r["tokens_sum"] for r in got] == [r["tokens_sum"] for r in single]
+    final = train_state(str(out / "checkpoints" / "step_00000012"))
+    assert (final["skipped_data"], final["rollbacks"], final["skipped"]) == ([[7, 11]], 1, 3)
+
+
+def test_a_burst_beyond_max_rollbacks_stops_the_run_in_one_sentence(corpus_dir, tmp_path):
+    with pytest.raises(train.Stopped, match="^3 spikes within 5 steps, the first at step 8, call for rollback 1, "
+                                            "beyond --max_rollbacks=0; lower --lr or inspect data steps 7 to 10, then "
+                                            "resume with a larger --max_rollbacks$"):
+        train.main(*train.parse_args(args(corpus_dir, tmp_path, *BURST, "--max_rollbacks=0")))
+
+
+# --- right after a resume: a loss far beyond the checkpoint's is a damaged checkpoint
+
+def test_a_checkpoint_whose_first_loss_jumps_is_not_trained_on(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run_here(args(corpus_dir, out, "--steps=4", "--ckpt_every=2"), capsys)
+    original = rows(out)
+    damaged = out / "checkpoints" / "step_00000004"
+    whole = tensors(str(damaged))
+    tampered = {**whole, "model.head.weight": whole["model.head.weight"] * 1000}  # loads; the loss leaps
+    dcp.save(tampered, checkpoint_id=str(damaged), no_dist=True)
+
+    stdout = run_here(args(corpus_dir, out, "--steps=6", "--ckpt_every=2"), capsys)
+    assert f"resumed from {damaged} at step 4" in stdout
+    line = next(line for line in stdout.splitlines() if "looks damaged" in line)
+    assert line.startswith("step 5, the first after loading the checkpoint of step 4, has loss ")
+    assert line.endswith(f"that checkpoint looks damaged and is not trained on; fell back to "
+                         f"{out / 'checkpoints' / 'step_00000002'}")
+    again = rows(out)
+    assert [r["step"] for r in again] == list(range(1, 7))
+    for r, w in zip(again[:4], original):  # steps 3 and 4 trained again from step 2, as they were first
+        assert {k: r[k] for k in EXACT} == {k: w[k] for k in EXACT}, r["step"]
+    rewritten = tensors(str(damaged))  # step 4 written again, whole
+    assert all(torch.equal(rewritten[k], whole[k]) for k in whole)
+
+
+# --- status.json and --on_event
+
+def test_on_event_sees_each_drilled_event_once_and_status_json_says_where_the_run_is(corpus_dir, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """One launch rehearses a nearly full disk, a burst of spikes and its rollback and a failed checkpoint, and
+    finishes; a restarted launch with another command (the first is not saved with the run) stops on NaN steps."""
+    out = tmp_path / "run"
+    heard = tmp_path / "heard"
+    command = f'echo "$NANOTITAN_EVENT $NANOTITAN_STEP $NANOTITAN_MESSAGE" >> {shlex.quote(str(heard))}'
+    free = shutil.disk_usage(tmp_path).free
+    frees = itertools.chain([free, free, 0, 0], itertools.repeat(free))  # nearly full at checkpoints 6 and 8
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=next(frees)))
+    save = train.checkpoint.save
+
+    def failing_at_10(root, step, *rest, **kwargs):
+        if step == 10:
+            raise train.checkpoint.SaveFailed("writing step_00000010 failed (drill).")
+        return save(root, step, *rest, **kwargs)
+
+    monkeypatch.setattr(train.checkpoint, "save", failing_at_10)
+    stdout = run_here(args(corpus_dir, out, *BURST, "--steps=14", "--async_ckpt=false", f"--on_event={command}"),
+                      capsys)
+    assert f"on each event: {command}" in stdout
+    first = heard.read_text().splitlines()
+    assert [" ".join(line.split()[:2]) for line in first] == [
+        "disk_nearly_full 6", "spike 8", "spike 9", "spike 9", "rollback 6", "checkpoint_failed 10", "finished 14"]
+    for line in first:  # the message, whole, as the console said it
+        assert line.split(" ", 2)[2] in stdout
+    status = json.loads((out / "status.json").read_text())
+    assert {k: status[k] for k in ("step", "steps", "tokens", "world_size", "layout", "restarts", "skipped_steps",
+                                   "rollbacks")} == {
+        "step": 14, "steps": 14, "tokens": 14 * 4 * 32, "world_size": 1, "restarts": 0, "skipped_steps": 3,
+        "rollbacks": 1, "layout": {"dp_replicate": 1, "dp_shard": 1, "ep": 1}}
+    assert status["loss"] == rows(out)[-1]["loss"] and status["tokens_per_s"] > 0 and status["mfu"] is None
+    assert status["last_checkpoint"] == str(out / "checkpoints" / "step_00000014")
+    assert status["last_event"]["name"] == "finished" and status["last_event"]["step"] == 14
+    saved = json.loads((out / "config.json").read_text())["train"]
+    assert "on_event" not in saved and "on_event" not in json.loads((out / "checkpoints" / "step_00000014" /
+                                                                      "config.json").read_text())["train"]
+
+    heard_again = tmp_path / "heard_again"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 15;"):
+        run_here(args(corpus_dir, out, "--steps=16", "--nan_at_step=18", "--max_bad_steps=1",
+                      f"--on_event=echo $NANOTITAN_EVENT >> {shlex.quote(str(heard_again))}"), capsys)
+    assert heard.read_text().splitlines() == first  # the first launch's command is not the restarted launch's
+    assert heard_again.read_text().splitlines() == ["restart", "stopped"]
+    status = json.loads((out / "status.json").read_text())
+    assert (status["restarts"], status["step"], status["last_event"]["name"]) == (1, 14, "stopped")
+
+
+def test_a_failing_or_hanging_command_is_said_and_never_stops_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "EVENT_TIMEOUT_S", 1)
+    out = tmp_path / "run"
+    out.mkdir()
+    for command, said in (("exit 3", "--on_event for spike failed (exit code 3); training goes on"),
+                          ("sleep 30", "--on_event for spike failed (killed after 1s); training goes on")):
+        tc = train.TrainConfig(out_dir=str(out), on_event=command)
+        alerts = train.Alerts(SimpleNamespace(tc=tc, master=True))
+        started = time.time()
+        alerts.event("spike", 3, "step 3: spike")
+        assert time.time() - started < 1  # the command runs in the background
+        alerts.close()
+        assert said in capsys.readouterr().out
