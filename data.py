@@ -563,8 +563,6 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     except OSError as e:
         raise DataError(f"cannot write the shards into out_dir {out_dir!r} ({e.strerror}); pass an --out_dir you can "
                         f"create and write to") from None
-    with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
-        os.remove(os.path.join(out_dir, "manifest.json"))
     parts = _parts(files, part_bytes)
     mine = range(shard[0], len(parts), shard[1]) if shard else range(len(parts))
     common = {"version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
@@ -585,8 +583,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             if _finished_part(path, fingerprint):
                 say(f"  part {p} is up to date; skipping")
                 continue
-            with contextlib.suppress(FileNotFoundError):  # until its manifest lands again, the part is unfinished
-                os.remove(path)
+            for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(unfinished)
             train = (_ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[seed, p]) if shuffle_docs else
                      _ShardWriter(f"train_{p:06d}", *shard_args))
             val = _ShardWriter(f"val_{p:06d}", *shard_args)

@@ -256,12 +256,15 @@ def test_a_text_file_larger_than_a_part_is_read_in_pieces_that_lose_nothing(tmp_
     separator = "\n<|endoftext|>\n"
     text = separator.join(stories) + separator
     (tmp_path / "stories.txt").write_text(text)
-    # the first part ends right after a separator: a piece that starts on a document's first byte keeps it
+    # the first part ends exactly where a document starts: that document must be neither lost nor read twice
     part_bytes = len(text[:text.index(separator, 2000) + len(separator)].encode())
     options = dict(val_fraction=0, shuffle_docs=False, part_bytes=part_bytes, workers=1, quiet=True)
     manifest = prepare([str(tmp_path / "stories.txt")], str(tmp_path / "cut"), doc_separator=separator, **options)
     assert manifest["parts"] >= 5
     assert split_documents(str(tmp_path / "cut"), "train") == [s for s in stories if s.strip()]
+    for p in range(manifest["parts"]):  # the documents are spread over the parts, as the bytes are
+        part = json.loads((tmp_path / "cut" / f"part_{p:06d}.json").read_text())
+        assert part["documents"]["train"] >= 5
     prepare([str(tmp_path / "stories.txt")], str(tmp_path / "lines"), **options)
     documents = split_documents(str(tmp_path / "lines"), "train")  # a part here is one document of paragraphs
     assert "".join(documents) == text and len(documents) == manifest["parts"]
@@ -270,7 +273,7 @@ def test_a_text_file_larger_than_a_part_is_read_in_pieces_that_lose_nothing(tmp_
 
 def test_a_part_prepared_again_after_a_crash_writes_the_same_bytes(tmp_path, monkeypatch):
     """A part's manifest is written last, so a part cut short is missing to the merge; preparing it again writes the
-    bytes an uninterrupted run writes, and a finished part is skipped."""
+    bytes an uninterrupted run writes, and a finished part is skipped, the merged manifest left in place."""
     write_jsonl(tmp_path / "c.jsonl", 80)
     inputs = [str(tmp_path / "c.jsonl")]
     options = dict(part_bytes=8000, shard_tokens=100, workers=1, quiet=True)
@@ -298,6 +301,8 @@ def test_a_part_prepared_again_after_a_crash_writes_the_same_bytes(tmp_path, mon
     finished = {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out)}
     prepare(inputs, str(out), **options)  # every part up to date: only the merge runs
     assert all(os.stat(out / name).st_mtime_ns == mtime for name, mtime in finished.items())
+    assert same_files(tmp_path / "clean", out)
+    prepare(inputs, str(out), shard=(1, 2), **options)  # a finished job run again (a requeue) changes nothing
     assert same_files(tmp_path / "clean", out)
 
 
@@ -339,11 +344,11 @@ def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
     assert same_files(tmp_path / "whole", out)
 
 
-def test_shard_flag_is_checked(tmp_path):
+def test_shard_flag_is_checked(tmp_path, capsys):
     assert data._parse_args(["in.txt", "--shard=3/1000"]).shard == (3, 1000)
-    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), "in.txt", "--shard=3"], capture_output=True,
-                       text=True)
-    assert r.returncode == 2 and "argument --shard: '3' is not I/N, e.g. 3/1000" in r.stderr
+    with pytest.raises(SystemExit):
+        data._parse_args(["in.txt", "--shard=3"])
+    assert "argument --shard: '3' is not I/N, e.g. 3/1000 for job 3 of 1000 (0 .. 999)" in capsys.readouterr().err
     with pytest.raises(DataError, match="shard=4/4 must be I/N with 0 <= I < N, e.g. --shard=.SLURM_ARRAY_TASK_ID/1000"):
         prepare([str(tmp_path)], str(tmp_path / "out"), shard=(4, 4), quiet=True)
 
