@@ -590,7 +590,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                      _ShardWriter(f"train_{p:06d}", *shard_args))
             val = _ShardWriter(f"val_{p:06d}", *shard_args)
             for n, doc in enumerate(_tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")):
-                # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1 unless 0
+                # hold out every (1/val_fraction)-th document of the part: deterministic, spread out, >= 1 unless 0
                 (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
             splits = {"train": train.close(), "val": val.close()}
             documents = {"train": train.documents, "val": val.documents}
