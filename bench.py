@@ -10,6 +10,7 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
+    python bench.py data --workers 1 2                   # data.py's tokens/s per core vs tiktoken's batch encoder
 
 `--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
 loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
@@ -22,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -41,10 +43,11 @@ from torch.distributed.tensor import DTensor
 import parallel
 import train
 from parallel import say
-from model import POSITIVE, PRESETS, FeedForward, MoE, at_least, grouped_mm_supported, meta_model, suggest
+from model import POSITIVE, PRESETS, FeedForward, MoE, above, at_least, grouped_mm_supported, meta_model, suggest
 
 COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
-            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config"}
+            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
+            "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text"}
 
 # ------------------------------------------------------------------------------------------------------------------
 # Timing, memory and synthetic data
@@ -733,6 +736,68 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------------
+# bench.py data: data.py's prepare against its tokenizer library's own batch encoder
+
+def bench_data(args) -> dict:
+    """Tokens/s of data.prepare on standard-library source written as JSONL against the tokenizer library's batch
+    encoder on the same documents already in memory, for each --workers. Per core is tokens per CPU-second of every
+    process and thread, which other work on the machine inflates far less than wall time."""
+    import tempfile
+
+    import data
+    enc = data.get_encoding(args.tokenizer)
+    hf = isinstance(enc, data.HFTokenizer)
+    if hf:  # sizes tokenizers' thread pool, before its first use
+        os.environ["RAYON_NUM_THREADS"] = str(max(args.workers))
+    docs, chars = [], 0
+    for path in itertools.cycle(data._stdlib_files()):  # cut as data.py cuts plain text; repeated up to --mb
+        with open(path, encoding="utf-8", errors="replace") as f:
+            docs += data._paragraph_documents(f, args.doc_chars)
+        chars += os.path.getsize(path)
+        if chars >= args.mb * 1e6:
+            break
+    cpu_s = lambda: sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF,  # noqa: E731
+                        resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
+    library = "tokenizers encode_batch_fast" if hf else "tiktoken encode_ordinary_batch"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        with open(corpus, "w") as f:
+            f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
+        for workers in args.workers:
+            times = {"prepare": (math.inf, math.inf), "library": (math.inf, math.inf)}  # the best (wall, CPU) seconds
+            for repeat, who in itertools.product(range(args.repeat), times):  # alternated: both see the same load
+                enc = data.get_encoding(args.tokenizer)  # a new one each time: no cache warmed by an earlier run
+                wall, cpu = time.perf_counter(), cpu_s()
+                if who == "prepare":
+                    manifest = data.prepare([corpus], os.path.join(tmp, f"out_{workers}_{repeat}"), args.tokenizer,
+                                            val_fraction=0, workers=workers, quiet=True)
+                elif hf:
+                    os.environ["TOKENIZERS_PARALLELISM"] = str(workers > 1).lower()
+                    tokens = sum(len(e.ids) for e in enc.tokenizer.encode_batch_fast(docs, add_special_tokens=False))
+                else:
+                    tokens = sum(map(len, enc.encode_ordinary_batch(docs, num_threads=workers)))
+                times[who] = tuple(map(min, times[who], (time.perf_counter() - wall, cpu_s() - cpu)))
+            (prepare_wall, prepare_cpu), (library_wall, library_cpu) = times["prepare"], times["library"]
+            rows.append({"workers": workers, "prepare_tokens_per_s": tokens / prepare_wall,
+                         "prepare_tokens_per_cpu_s": tokens / prepare_cpu, "library_tokens_per_s": tokens / library_wall,
+                         "library_tokens_per_cpu_s": tokens / library_cpu, "per_core_ratio": library_cpu / prepare_cpu})
+    print(f"data: {tokens:,} {enc.name.removesuffix('_offline')} tokens of standard-library source ({chars / 1e6:.1f} "
+          f"MB, {len(docs):,} documents of up to {args.doc_chars} characters) on {os.cpu_count()} CPU cores; per "
+          f"core: tokens per CPU-second of all processes and threads")
+    print(f"{'workers':>7} | {'prepare tok/s':>13} | {'per core':>8} | {library + ' tok/s':>36} | {'per core':>8} | "
+          f"per-core ratio")
+    for r in rows:
+        print(f"{r['workers']:>7} | {r['prepare_tokens_per_s'] / 1e6:12.2f}M | {r['prepare_tokens_per_cpu_s'] / 1e6:7.2f}"
+              f"M | {r['library_tokens_per_s'] / 1e6:35.2f}M | {r['library_tokens_per_cpu_s'] / 1e6:7.2f}M | "
+              f"{r['per_core_ratio']:.3f}")
+    # the same text: prepare's tokens but for the end-of-text closing each document are the library's
+    return {"command": "data", "tokenizer": args.tokenizer, "library": library, "tokens": tokens,
+            "prepare_tokens": manifest["tokens"]["train"] - manifest["documents"]["train"], "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Command line
 
 def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
@@ -740,13 +805,25 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
                            + ", ".join(COMMANDS) + " (bench.py COMMAND --help).",
                    "moe": COMMANDS["moe"] + ", forward + backward on one preset's shapes.",
-                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately."}[command]
+                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.",
+                   "data": COMMANDS["data"] + ", for 1 and 2 workers."}[command]
     parser = train._Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
                            allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
                                   "such as --dim=512, and the layout, batch and precision flags.")
     add = parser.add_argument
     switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
+    if command == "data":
+        add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a Hugging Face tokenizer folder")
+        add("--workers", type=POSITIVE.parse(int), nargs="+", default=[1, 2], help="the worker counts to measure; the "
+            "library's batch encoder runs on as many threads")
+        add("--mb", type=above(0).parse(float), default=16, help="megabytes of text (the standard "
+            "library's source, repeated as needed)")
+        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="the text is cut into documents of whole "
+            "paragraphs of up to this many characters, as data.py cuts plain text")
+        add("--repeat", type=POSITIVE.parse(int), default=3, help="runs of each, alternated; the best counts")
+        add("--json", action="store_true", help="print the result as one JSON object on the last line")
+        return parser, []
     warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
     add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
     add("--iters", type=POSITIVE.parse(int), default=iters, help="timed steps")
@@ -787,6 +864,8 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig, 
                              f"{f'; did you mean {close}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
                              f"or none for the training step)")
     parser, train_defaults = _command_parser(command)
+    if command == "data":
+        return command, parser.parse_args(argv), None, {}
     args, rest = train.parse_tool_args(parser, argv)
     tc, overrides = train.parse_args(train_defaults + rest)
     return command, args, tc, overrides
@@ -801,8 +880,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if clock is not CLOCKS["wall"] and parallel.use_cuda():
             raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
-        run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}[command]
-        result = run(args, tc, overrides)
+        if command == "data":
+            result = bench_data(args)
+        else:
+            run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}[command]
+            result = run(args, tc, overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

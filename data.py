@@ -6,25 +6,31 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py stories.txt --doc_separator '<|endoftext|>' --val_fraction 0 --out_dir data/stories
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
+    python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ... of the inputs: one of many jobs
+    python data.py merge data/web                           # once all 1000 are done: check the parts, write manifest.json
     loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
     tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
     DataLoader("data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6")  # a mixture, its weights from step 120k
     DataLoader("megatron/web_text_document")  # a Megatron-LM dataset: web_text_document.bin and .idx
 
-On disk: {train,val}_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token
-after every document) and manifest.json, written last.
+The inputs are cut into parts (about --part_bytes each, a function of the inputs alone); each part is tokenised,
+shuffled, held out and written on its own, so one process or a thousand write the same bytes. On disk, per part P:
+{train,val}_PPPPPP_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token after
+every document) and part_PPPPPP.json, written last; then manifest.json, the merge of them all.
 """
 
 import argparse
 import bisect
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import glob
 import hashlib
+import io
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import re
 import shutil
@@ -45,7 +51,7 @@ MAGIC = b"NTTOKENS"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQQ32s")  # magic, version, itemsize, tokens, vocab size, max token id, tokenizer
 HEADER_BYTES = 128  # the header is padded so the tokens start at an aligned offset for np.memmap
-SHUFFLE_BUFFER_TOKENS = 2**25  # corpora smaller than this are shuffled globally, larger ones within this window
+SHUFFLE_BUFFER_TOKENS = 2**25  # a part smaller than this is shuffled whole, a larger one within this window
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
                     "__pycache__"}  # keeps the default corpus to ~10 MB of real library code
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
@@ -56,7 +62,9 @@ MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # 6, 7: floats
 MIX_PERIOD = 2**12  # a mixture's rounding repeats after this many steps
 MIX_STRIDE = 2531  # odd and near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
-SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin(\.tmp)?")
+PART_BYTES = 2**30  # the unit of work: each part of the inputs is tokenised, shuffled, held out and written alone
+SHARD_NAME = re.compile(r"(train|val)_\d{6}_\d{6}\.bin(\.tmp)?")  # split, part, shard
+PART_NAME = re.compile(r"part_(\d{6})\.json")
 # GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
 # themselves, the others for chr(256), chr(257)... in byte order
 BYTE_LEVEL = str.maketrans({b: chr(256 + i) for i, b in enumerate(
@@ -106,6 +114,9 @@ class HFTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     encode = encode_ordinary
+
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -268,23 +279,68 @@ def _blocks(pieces: list[str], max_chars: int):
                 yield block
 
 
-def _read_documents(path: str, text_field: str, doc_chars: int, doc_separator: str | None):
-    """Yields (text, input bytes consumed) per document: a .jsonl line, a parquet row, a whole .py file, or a piece of
-    any other text file (at doc_separator if given, else paragraphs grouped up to doc_chars characters)."""
-    if path.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):  # the message only when it is needed: this runs once per document
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{path} line {lineno} has no text field {text_field!r} (it has {keys}); pass "
-                                    f"--text_field with the name of the field that holds the text")
-                yield text, len(line)
-    elif path.endswith(".parquet"):
+def _parts(files: list[str], part_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """The inputs laid end to end and cut every part_bytes bytes, the last part taking the remainder (so none is a
+    stub): each part a list of pieces (path, start, end), byte ranges of files. A function of the inputs alone, so any
+    process can prepare any part."""
+    sizes = [os.path.getsize(path) for path in files]
+    parts = [[] for _ in range(max(1, sum(sizes) // part_bytes))]
+    offset = 0  # where the file starts, the inputs laid end to end
+    for path, size in zip(files, sizes):
+        first = min(offset // part_bytes, len(parts) - 1)
+        last = min((offset + size - 1) // part_bytes, len(parts) - 1)
+        for k in range(first, last + 1):
+            start = max(0, k * part_bytes - offset)
+            end = size if k == len(parts) - 1 else min(size, (k + 1) * part_bytes - offset)
+            parts[k].append((path, start, end))
+        offset += size
+    return parts
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [start, stop) of an open binary file, read as a file of their own."""
+
+    def __init__(self, f, start: int, stop: int):
+        f.seek(start)
+        self.f = f
+        self.left = stop - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.f.readinto(memoryview(buffer)[:self.left])
+        self.left -= n
+        return n
+
+
+def _document_start(f, position: int, marker: bytes) -> int:
+    """The first byte at or after `position` of the binary file f that starts a document: 0, or the byte after a
+    `marker` (the end of the file if none). A piece of the file reads from the start at its first byte to the start at
+    the first byte of the next, so neighbouring pieces share no document."""
+    if position == 0:
+        return 0
+    f.seek(max(0, position - len(marker)))
+    window = b""
+    while block := f.read(1 << 20):
+        window += block
+        if (i := window.find(marker)) >= 0:
+            return f.tell() - len(window) + i + len(marker)
+        window = window[len(window) - len(marker) + 1:]  # a marker may straddle two blocks
+    return f.tell()
+
+
+def _line_number(path: str, position: int) -> int:
+    """The number of the line at byte `position` of a file, counted for an error message only."""
+    with open(path, "rb") as f:
+        return 1 + sum(block.count(b"\n") for block in iter(lambda: f.read(min(1 << 20, position - f.tell())), b""))
+
+
+def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None):
+    """Yields (text, input bytes consumed) per document that starts in bytes [start, end) of the file: a .jsonl line,
+    the rows of a parquet row group, a whole .py file, or a piece of any other text file (at doc_separator if given,
+    else paragraphs grouped up to doc_chars characters); the documents of a text file restart at a piece's start."""
+    if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -294,29 +350,53 @@ def _read_documents(path: str, text_field: str, doc_chars: int, doc_separator: s
         names = parquet.schema_arrow.names
         _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
                  f"with the name of the column that holds the text")
-        for batch in parquet.iter_batches(columns=[text_field]):
-            yield from ((text or "", 0) for text in batch.column(0).to_pylist())
-        yield "", os.path.getsize(path)
+        for group in range(parquet.num_row_groups):
+            column = parquet.metadata.row_group(group).column(0)
+            first_page = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+            if start <= first_page < end:  # a row group is read by the piece that holds its first byte
+                for batch in parquet.iter_batches(columns=[text_field], row_groups=[group]):
+                    yield from ((text or "", 0) for text in batch.column(0).to_pylist())
+        yield "", end - start
+    elif path.endswith(".py"):  # source code is read whole: a module is one document, of the piece of its first byte
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield f.read() if start == 0 else "", end - start
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:  # a stray bad byte becomes U+FFFD, not a crash
-            if path.endswith(".py"):  # source code is read whole: a module is one document
-                documents = [f.read()]
-            elif doc_separator:
-                documents = _separated_documents(f, doc_separator, doc_chars)
-            else:
-                documents = _paragraph_documents(f, doc_chars)
-            consumed = 0
-            for text in documents:  # the bytes read so far, for the progress bar
-                yield text, f.buffer.tell() - consumed
-                consumed = f.buffer.tell()
+        marker = doc_separator.encode() if doc_separator and not path.endswith(".jsonl") else b"\n"
+        with open(path, "rb", buffering=0) as f:
+            begin = _document_start(f, start, marker)
+            piece = io.BufferedReader(_Slice(f, begin, _document_start(f, end, marker)))
+            if path.endswith(".jsonl"):
+                position = begin
+                for line in piece:
+                    try:
+                        record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path} line {_line_number(path, position)} is not valid JSON ({e}); fix or "
+                                        f"remove that line") from None
+                    text = record.get(text_field) if isinstance(record, dict) else None
+                    if not isinstance(text, str):  # the message only when it is needed: this runs once per document
+                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                        raise DataError(f"{path} line {_line_number(path, position)} has no text field {text_field!r} "
+                                        f"(it has {keys}); pass --text_field with the name of the field that holds "
+                                        f"the text")
+                    position += len(line)
+                    yield text, len(line)
+                return
+            text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
+            documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
+                         _paragraph_documents(text, doc_chars))
+            consumed = start
+            for document in documents:  # the bytes read so far, for the progress bar
+                yield document, f.tell() - consumed
+                consumed = f.tell()
 
 
-def _text_batches(files: list[str], read, max_chars: int = 1 << 20):
-    """Groups the documents read(path) yields into ~1 MB tasks, so worker round trips stay cheap next to the
-    tokenising."""
+def _text_batches(pieces: list[tuple[str, int, int]], read, max_chars: int = 1 << 20):
+    """Groups the documents read(path, start, end) yields into ~1 MB tasks, so handing them to a thread stays cheap
+    next to the tokenising."""
     texts, nbytes, chars = [], 0, 0
-    for path in files:
-        for text, consumed in read(path):
+    for piece in pieces:
+        for text, consumed in read(*piece):
             texts.append(text)
             nbytes, chars = nbytes + consumed, chars + len(text)
             if chars >= max_chars:
@@ -325,34 +405,39 @@ def _text_batches(files: list[str], read, max_chars: int = 1 << 20):
     yield texts, nbytes
 
 
-def _init_worker(encoding: str) -> None:
-    global _worker_encoding  # each tokenising process loads the tokenizer once
-    _worker_encoding = get_encoding(encoding)
-
-
-def _encode_batch(batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
+def _encode_batch(enc, batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
     texts, nbytes = batch
-    enc = _worker_encoding
-    # encode_ordinary: a literal "<|endoftext|>" inside a document is text, so only we place separators
-    return [np.array(enc.encode_ordinary(t) + [enc.eot_token], _token_dtype(enc.n_vocab)) for t in texts if t], nbytes
+    texts = [text for text in texts if text]
+    # ordinary encoding: a literal "<|endoftext|>" inside a document is text, so only we place separators
+    if isinstance(enc, HFTokenizer):
+        docs = enc.encode_ordinary_batch(texts)
+    else:  # straight into an array: no list of Python ints to convert
+        docs = [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
+    eot = np.array([enc.eot_token], _token_dtype(enc.n_vocab))
+    return [np.concatenate([doc, eot]).astype(eot.dtype, copy=False) for doc in docs], nbytes
 
 
-def _tokenized_documents(files: list[str], read, encoding: str, tokenizer: str, workers: int, say):
-    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on `workers` processes."""
-    total_bytes, done_bytes, n_tokens, started = sum(os.path.getsize(f) for f in files), 0, 0, time.time()
-    say(f"tokenizing {len(files)} files ({total_bytes / 1e6:.1f} MB) with {tokenizer} on {workers} workers")
-    batches = _text_batches(files, read)
-    with multiprocessing.Pool(workers, _init_worker, (encoding,)) if workers > 1 else contextlib.nullcontext() as pool:
-        if pool is None:
-            _init_worker(encoding)
-        # a few tasks per worker at a time: bounded memory however large the inputs, and results in input order
-        while tasks := list(itertools.islice(batches, 4 * workers)):
-            for docs, nbytes in (pool.imap(_encode_batch, tasks) if pool else map(_encode_batch, tasks)):
-                yield from docs
-                done_bytes, n_tokens = done_bytes + nbytes, n_tokens + sum(map(len, docs))
-                done = done_bytes / max(total_bytes, 1)
-                say(f"\r  [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
-                    f"{time.time() - started:.1f}s", end="")
+def _in_order(futures, window: int):
+    """The results of lazily submitted futures in order, `window` of them submitted ahead: bounded memory however large
+    the inputs, and no thread waits for work."""
+    pending = collections.deque(itertools.islice(futures, window))
+    while pending:
+        future = pending.popleft()
+        pending.extend(itertools.islice(futures, 1))
+        yield future.result()
+
+
+def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, workers: int, say, label: str):
+    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on the pool's `workers`
+    threads (both tokenizer libraries encode without holding Python's lock) while this one reads."""
+    total_bytes, done_bytes, n_tokens, started = sum(end - start for _, start, end in pieces), 0, 0, time.time()
+    batches = _text_batches(pieces, read)
+    for docs, nbytes in _in_order((pool.submit(_encode_batch, enc, batch) for batch in batches), 4 * workers):
+        yield from docs
+        done_bytes, n_tokens = done_bytes + nbytes, n_tokens + sum(map(len, docs))
+        done = min(1, done_bytes / max(total_bytes, 1))
+        say(f"\r  {label} [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
+            f"{time.time() - started:.1f}s", end="")
     say()
 
 
@@ -367,12 +452,12 @@ def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
 
 
 class _ShardWriter:
-    """Packs one split's documents into shards of shard_tokens; the last shard takes the remainder."""
+    """Packs one split of one part into shards NAME_NNNNNN.bin of shard_tokens; the last shard takes the remainder."""
 
-    def __init__(self, split: str, out_dir: str, shard_tokens: int, tokenizer: str, vocab_size: int):
-        self.split, self.out_dir, self.shard_tokens = split, out_dir, shard_tokens
+    def __init__(self, name: str, out_dir: str, shard_tokens: int, tokenizer: str, vocab_size: int):
+        self.name, self.out_dir, self.shard_tokens = name, out_dir, shard_tokens
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.pending, self.pending_tokens, self.documents, self.shards = [], 0, 0, []
+        self.pending, self.pending_tokens, self.documents, self.shards = collections.deque(), 0, 0, []
 
     def add(self, doc: np.ndarray) -> None:
         self.documents += 1
@@ -391,20 +476,27 @@ class _ShardWriter:
         return self.shards
 
     def _write(self, n: int) -> None:
-        tokens = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)  # a long document: no copy
-        tokens, self.pending, self.pending_tokens = tokens[:n], [tokens[n:]], len(tokens) - n
-        name, max_token = f"{self.split}_{len(self.shards):06d}.bin", int(tokens.max())
-        header = HEADER.pack(MAGIC, VERSION, tokens.itemsize, len(tokens), self.vocab_size, max_token,
-                             self.tokenizer.encode())
-        write_durably(os.path.join(self.out_dir, name), header.ljust(HEADER_BYTES, b"\0"), tokens)
-        self.shards.append({"file": name, "tokens": len(tokens), "max_token": max_token})
+        """The first n pending tokens as the next shard, written document by document: no copy of them."""
+        docs, left = [], n
+        while left:
+            doc = self.pending.popleft()
+            if len(doc) > left:  # the document goes on in the next shard
+                self.pending.appendleft(doc[left:])
+                doc = doc[:left]
+            docs.append(doc)
+            left -= len(doc)
+        self.pending_tokens -= n
+        name, max_token = f"{self.name}_{len(self.shards):06d}.bin", max(int(doc.max()) for doc in docs)
+        header = HEADER.pack(MAGIC, VERSION, docs[0].itemsize, n, self.vocab_size, max_token, self.tokenizer.encode())
+        write_durably(os.path.join(self.out_dir, name), header.ljust(HEADER_BYTES, b"\0"), *docs)
+        self.shards.append({"file": name, "tokens": n, "max_token": max_token})
 
 
 class _ShuffleBuffer(_ShardWriter):
     """The Trinity report's random sequential document buffer: documents enter in input order and leave in a seeded
-    random order, so a batch is not one source's neighbouring files; a corpus that fits is shuffled globally."""
+    random order, so a batch is not one source's neighbouring files; a part that fits is shuffled whole."""
 
-    def __init__(self, *args, seed: int):
+    def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
         self.rng, self.docs, self.tokens = np.random.default_rng(seed), [], 0
 
@@ -423,22 +515,42 @@ class _ShuffleBuffer(_ShardWriter):
         return super().close()
 
 
+def _finished_part(path: str, fingerprint: str) -> bool:
+    """Whether path is the manifest of a part of this preparation whose shards are all in place, whole."""
+    try:
+        with open(path) as f:
+            part = json.load(f)
+        shards = [shard for split in part["splits"].values() for shard in split]
+        sizes = [os.path.getsize(os.path.join(os.path.dirname(path), shard["file"])) for shard in shards]
+        whole = [HEADER_BYTES + shard["tokens"] * np.dtype(part["dtype"]).itemsize for shard in shards]
+        return part["fingerprint"] == fingerprint and sizes == whole
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", doc_chars: int = DOC_CHARS, doc_separator: str | None = None,
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
-            workers: int | None = None, quiet: bool = False) -> dict:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir and returns the manifest."""
+            part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
+            quiet: bool = False) -> dict | None:
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir, part by part, then merges the parts and
+    returns the manifest. With shard=(i, n) it prepares only parts i, i + n, i + 2n, ... and returns None; `merge`
+    follows once all n are done. A part depends on the inputs and settings alone: both ways write the same bytes."""
     say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
     _require(doc_chars >= 1, f"doc_chars={doc_chars} must be positive, e.g. {DOC_CHARS}")
     _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
+    _require(part_bytes >= 1, f"part_bytes={part_bytes} must be positive, e.g. {PART_BYTES}")
     _require(workers is None or workers >= 1, f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
+    if shard is not None:
+        _require(0 <= shard[0] < shard[1], f"shard={shard[0]}/{shard[1]} must be I/N with 0 <= I < N, e.g. "
+                 f"--shard=$SLURM_ARRAY_TASK_ID/1000 in an array of 1000 tasks")
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(encoding)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
-                   text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator)
+                   text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator, part_bytes=part_bytes)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
     digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
@@ -446,10 +558,11 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
         st = os.stat(path)
         digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     fingerprint = digest.hexdigest()[:16]
-    with contextlib.suppress(DataError):
-        if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
-            say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
-            return old
+    if shard is None:
+        with contextlib.suppress(DataError):
+            if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
+                say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
+                return old
 
     try:  # an out_dir that cannot take the shards fails now, not after the tokenising
         os.makedirs(out_dir, exist_ok=True)
@@ -458,38 +571,96 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     except OSError as e:
         raise DataError(f"cannot write the shards into out_dir {out_dir!r} ({e.strerror}); pass an --out_dir you can "
                         f"create and write to") from None
-    with contextlib.suppress(FileNotFoundError):  # until the new manifest lands, the directory is incomplete
-        os.remove(os.path.join(out_dir, "manifest.json"))
+    parts = _parts(files, part_bytes)
+    mine = range(shard[0], len(parts), shard[1]) if shard else range(len(parts))
+    common = {"version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
+              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
+              **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}),
+              "inputs": inputs, "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
     started, workers = time.time(), workers or os.cpu_count() or 1
-    shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
-    train = _ShuffleBuffer("train", *shard_args, seed=seed) if shuffle_docs else _ShardWriter("train", *shard_args)
-    val = _ShardWriter("val", *shard_args)
+    say(f"tokenizing {len(mine)} of the {len(parts)} parts of {len(files)} files "
+        f"({sum(end - start for p in mine for _, start, end in parts[p]) / 1e6:.1f} MB) with {tokenizer} on "
+        f"{workers} threads")
     read = functools.partial(_read_documents, text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator)
-    for n, doc in enumerate(_tokenized_documents(files, read, encoding, tokenizer, workers, say)):
-        # hold out every (1/val_fraction)-th document: deterministic, spread over all inputs, >= 1 unless 0
-        (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
-    _require(train.documents + val.documents > 0, f"the {len(files)} input files hold no text, so there is nothing "
-             f"to tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
-    _require(train.documents > 0, f"all {val.documents} documents were held out for validation (val_fraction="
-             f"{val_fraction}), leaving none to train on; add inputs, cut the text into more documents (a smaller "
-             f"--doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0 to train on all of it")
-    splits = {"train": train.close(), "val": val.close()}
-
-    written = {shard["file"] for shards in splits.values() for shard in shards}
-    for name in os.listdir(out_dir):  # shards of an earlier, larger run would otherwise linger
-        if SHARD_NAME.fullmatch(name) and name not in written:
+    shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
+    if isinstance(enc, HFTokenizer):  # one thread per call: --workers sets the parallelism, not the library
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for p in mine:
+            path = os.path.join(out_dir, f"part_{p:06d}.json")
+            if _finished_part(path, fingerprint):
+                say(f"  part {p} is up to date; skipping")
+                continue
+            for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(unfinished)
+            train = (_ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[seed, p]) if shuffle_docs else
+                     _ShardWriter(f"train_{p:06d}", *shard_args))
+            val = _ShardWriter(f"val_{p:06d}", *shard_args)
+            for n, doc in enumerate(_tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")):
+                # hold out every (1/val_fraction)-th document of the part: deterministic, spread out, >= 1 unless 0
+                (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
+            splits = {"train": train.close(), "val": val.close()}
+            documents = {"train": train.documents, "val": val.documents}
+            write_durably(path, json.dumps({"format": "nanotitan-part", **common, "part": p, "documents": documents,
+                                            "splits": splits}, indent=1))
+    say(f"prepared {len(mine)} parts in {time.time() - started:.1f}s")
+    if shard is not None:
+        say(f"once all {shard[1]} --shard jobs are done: python data.py merge {out_dir}")
+        return None
+    for name in os.listdir(out_dir):  # parts of an earlier preparation that had more would stop the merge
+        if (match := PART_NAME.fullmatch(name)) and int(match[1]) >= len(parts):
             os.remove(os.path.join(out_dir, name))
-    manifest = {"format": "nanotitan-tokens", "version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
-                "eot_id": enc.eot_token, "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
-                **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256}
-                   if isinstance(enc, HFTokenizer) else {}),
-                "fingerprint": fingerprint, "inputs": inputs, "files": len(files), "options": options,
-                "documents": {"train": train.documents, "val": val.documents},
-                "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()}, "splits": splits}
+    return merge(out_dir, quiet)
+
+
+def merge(out_dir: str, quiet: bool = False) -> dict:
+    """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing:
+    a part is the file named by its index, so none comes twice) and writes the manifest.json train.py reads, listing
+    their shards in part order; shard files no part lists (an earlier preparation's) are removed."""
+    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
+    _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
+             f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
+    parts = []
+    for name in names:
+        with open(os.path.join(out_dir, name)) as f:
+            parts.append(json.load(f))
+
+    def settings(part: dict) -> dict:  # the fingerprint, last, also covers the input files' sizes and times
+        return {"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
+                "parts": part["parts"], "fingerprint": part["fingerprint"]}
+
+    expected = settings(parts[0])
+    for name, part in zip(names, parts):
+        for key, value in settings(part).items():
+            _require(value == expected.get(key), f"{name} and {names[0]} come from different preparations ({key} "
+                     f"{value!r} against {expected.get(key)!r}); prepare every part with the same inputs and flags, "
+                     f"into an --out_dir that holds no other preparation's parts")
+    missing = sorted(set(range(parts[0]["parts"])) - {part["part"] for part in parts})
+    _require(not missing, f"{out_dir} lacks {len(missing)} of its {parts[0]['parts']} parts (part "
+             f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}), not prepared yet or cut short; "
+             f"run the same prepare commands again (finished parts are skipped), then merge")
+    splits = {split: [shard for part in parts for shard in part["splits"][split]] for split in ("train", "val")}
+    documents = {split: sum(part["documents"][split] for part in parts) for split in splits}
+    _require(sum(documents.values()) > 0, f"the {parts[0]['files']} input files hold no text, so there is nothing to "
+             f"tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
+    _require(documents["train"] > 0, f"all {documents['val']} documents were held out for validation (val_fraction="
+             f"{parts[0]['options']['val_fraction']}), leaving none to train on; add inputs, cut the text into more "
+             f"documents (a smaller --doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0 to "
+             f"train on all of it")
+    listed = {shard["file"] for shards in splits.values() for shard in shards}
+    for name in os.listdir(out_dir):  # shards of an earlier preparation, or of a part since prepared again
+        if SHARD_NAME.fullmatch(name) and name not in listed:
+            os.remove(os.path.join(out_dir, name))
+    per_part = ("format", "part", "documents", "splits")
+    manifest = {"format": "nanotitan-tokens", **{k: v for k, v in parts[0].items() if k not in per_part},
+                "documents": documents, "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
+                "splits": splits}
     write_durably(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
-    say(f"wrote {manifest['tokens']['train']:,} train tokens ({len(splits['train'])} shards, {train.documents} "
-        f"documents) and {manifest['tokens']['val']:,} val tokens ({len(splits['val'])} shards, {val.documents} "
-        f"documents) to {out_dir} in {time.time() - started:.1f}s")
+    say(f"wrote {manifest['tokens']['train']:,} train tokens ({len(splits['train'])} shards, {documents['train']} "
+        f"documents) and {manifest['tokens']['val']:,} val tokens ({len(splits['val'])} shards, {documents['val']} "
+        f"documents) of {len(parts)} parts to {out_dir}")
     return manifest
 
 
@@ -839,8 +1010,27 @@ class DataLoader:
 # --- command line
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N, e.g. 3/1000 for job 3 of 1000 (0 .. 999)")
+    return int(index), int(count)
+
+
+def _parse_merge_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="data.py merge", description="Check that OUT_DIR holds every part of one "
+                                "sharded preparation and write its manifest.json for train.py.", allow_abbrev=False)
+    p.add_argument("out_dir", help="the --out_dir of the `python data.py ... --shard=I/N` runs")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        refuse_unknown(p, unknown)
+    return args
+
+
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Tokenize a corpus into shards for train.py.", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Tokenize a corpus into shards for train.py; `python data.py merge OUT_DIR` "
+                                "merges the parts that --shard runs prepared.", allow_abbrev=False)
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
@@ -859,7 +1049,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shuffle_docs", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle documents (seeded) before packing them into sequences")
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPU cores)")
+    p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="the inputs, laid end to end, are cut into "
+                   "parts of this many bytes (large files at a line or document start), each tokenised, shuffled, held "
+                   "out and written alone: the unit of work of --shard")
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
+                   "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
+    p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args, unknown = p.parse_known_args(argv)
     if unknown:
@@ -868,9 +1063,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    args = _parse_args()
+    merging = sys.argv[1:2] == ["merge"]
+    args = _parse_merge_args(sys.argv[2:]) if merging else _parse_args()
     try:
-        prepare(**vars(args) | {"inputs": args.inputs or None})
+        if merging:
+            merge(**vars(args))
+        else:
+            prepare(**vars(args) | {"inputs": args.inputs or None})
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

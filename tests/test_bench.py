@@ -70,6 +70,16 @@ def test_training_step_report(capsys):
 # ------------------------------------------------------------------------------------------------------------------
 # The command line
 
+def test_data_times_prepare_and_the_library_on_the_same_text(capsys):
+    code, out = run_json(capsys, ["data", "--mb=0.3", "--workers", "1", "2", "--repeat=1", "--json"])
+    assert code == 0 and out["library"] == "tiktoken encode_ordinary_batch"
+    assert out["prepare_tokens"] == out["tokens"] > 50_000
+    assert [row["workers"] for row in out["rows"]] == [1, 2]
+    for row in out["rows"]:
+        assert min(row.values()) > 0
+        assert row["per_core_ratio"] == pytest.approx(row["prepare_tokens_per_cpu_s"] / row["library_tokens_per_cpu_s"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["moe", "--tokns=5"], "did you mean --tokens"),
     (["--iter=3"], "did you mean --iters"),
@@ -77,6 +87,7 @@ def test_training_step_report(capsys):
     (["--iters=0"], "argument --iters: 0 must be at least 1"),
     (["moe", "--tokens=-5"], "argument --tokens: -5 must be at least 1"),
     (["--learning_rate=1"], "did you mean --lr"),
+    (["data", "--worker=2"], "did you mean --workers"),
     (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
 ])
 def test_mistyped_or_out_of_range_flags_and_commands_are_one_sentence(capsys, argv, message):

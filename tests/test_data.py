@@ -176,7 +176,7 @@ def test_up_to_date_output_is_skipped_and_changed_input_reruns(tmp_path, capsys)
     out, args = str(tmp_path / "out"), ([str(tmp_path / "corpus")],)
     first = prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
     assert len(first["splits"]["train"]) > 2
-    shard = os.path.join(out, "train_000000.bin")
+    shard = os.path.join(out, "train_000000_000000.bin")
     mtime = os.stat(shard).st_mtime_ns
     assert prepare(*args, out, shard_tokens=200, workers=1) == first
     assert "up to date" in capsys.readouterr().err and os.stat(shard).st_mtime_ns == mtime
@@ -185,7 +185,8 @@ def test_up_to_date_output_is_skipped_and_changed_input_reruns(tmp_path, capsys)
     assert second["fingerprint"] != first["fingerprint"] and "changed" in split_documents(out, "train")
     third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True)
     assert third["fingerprint"] != second["fingerprint"] and len(third["splits"]["train"]) == 1
-    assert sorted(os.listdir(out)) == ["manifest.json", "train_000000.bin", "val_000000.bin"]  # stale shards gone
+    assert sorted(os.listdir(out)) == ["manifest.json", "part_000000.json", "train_000000_000000.bin",
+                                       "val_000000_000000.bin"]  # stale shards gone
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, monkeypatch):
@@ -201,6 +202,174 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, 
     assert not os.path.exists(os.path.join(out, "manifest.json"))
     with pytest.raises(DataError, match="never finished.*python data.py"):
         DataLoader(out)
+
+
+def same_files(a, b):
+    """Whether two directories hold the same file names with the same bytes."""
+    names = sorted(os.listdir(a))
+    return names == sorted(os.listdir(b)) and all(open(os.path.join(a, n), "rb").read() ==
+                                                  open(os.path.join(b, n), "rb").read() for n in names)
+
+
+def merge_cli(out_dir):
+    return subprocess.run([sys.executable, os.path.join(REPO, "data.py"), "merge", str(out_dir)], capture_output=True,
+                          text=True)
+
+
+def write_jsonl(path, n_docs, seed=0, long_doc=None):
+    """n_docs random documents as JSON lines (one of them `long_doc` characters long if given); returns them."""
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 80))) for _ in range(n_docs)]
+    if long_doc:
+        docs[n_docs // 3] = "".join(rng.choice("abc 数\n") for _ in range(long_doc))
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    return docs
+
+
+def test_sharded_prepare_and_merge_write_the_bytes_of_one_prepare(tmp_path):
+    """The parts are a function of the inputs alone, and each is shuffled and held out on its own, seeded by its
+    index: three shards prepared in any order with any number of workers, then merged, write byte for byte the
+    directory one prepare writes. A JSONL file cut into parts by byte range, one line longer than a part, still
+    yields each of its lines once."""
+    docs = write_jsonl(tmp_path / "big.jsonl", 120, long_doc=12000)
+    modules = write_corpus(tmp_path / "src", n_docs=6, suffix=".py")  # whole files: in the part of their first byte
+    inputs = [str(tmp_path / "big.jsonl"), str(tmp_path / "src")]
+    options = dict(part_bytes=5000, shard_tokens=300, quiet=True)
+    one = prepare(inputs, str(tmp_path / "one"), workers=1, **options)
+    assert one["parts"] >= 5 and one["documents"]["train"] + one["documents"]["val"] == 126
+    for i, workers in [(2, 2), (0, 1), (1, 1)]:
+        assert prepare(inputs, str(tmp_path / "sharded"), shard=(i, 3), workers=workers, **options) is None
+    assert not os.path.exists(tmp_path / "sharded" / "manifest.json")
+    merged = merge_cli(tmp_path / "sharded")
+    assert merged.returncode == 0, merged.stderr
+    assert same_files(tmp_path / "one", tmp_path / "sharded")
+    out = str(tmp_path / "sharded")
+    assert sorted(split_documents(out, "train") + split_documents(out, "val")) == sorted(docs + modules)
+
+
+def test_a_text_file_larger_than_a_part_is_read_in_pieces_that_lose_nothing(tmp_path):
+    """A plain-text file spanning parts is read piece by piece, each from the first line start in its byte range (the
+    first byte after a --doc_separator with one): no text is lost or read twice, and the documents cut at a separator
+    are those of the whole file."""
+    rng = random.Random(3)
+    words = [w for w in WORDS if w != "<|endoftext|>"]
+    stories = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) for _ in range(150)]
+    separator = "\n<|endoftext|>\n"
+    text = separator.join(stories) + separator
+    (tmp_path / "stories.txt").write_text(text)
+    # the first part ends exactly where a document starts: that document must be neither lost nor read twice
+    part_bytes = len(text[:text.index(separator, 2000) + len(separator)].encode())
+    options = dict(val_fraction=0, shuffle_docs=False, part_bytes=part_bytes, workers=1, quiet=True)
+    manifest = prepare([str(tmp_path / "stories.txt")], str(tmp_path / "cut"), doc_separator=separator, **options)
+    assert manifest["parts"] >= 5
+    assert split_documents(str(tmp_path / "cut"), "train") == [s for s in stories if s.strip()]
+    for p in range(manifest["parts"]):  # the documents are spread over the parts, as the bytes are
+        part = json.loads((tmp_path / "cut" / f"part_{p:06d}.json").read_text())
+        assert part["documents"]["train"] >= 5
+    prepare([str(tmp_path / "stories.txt")], str(tmp_path / "lines"), **options)
+    documents = split_documents(str(tmp_path / "lines"), "train")  # a part here is one document of paragraphs
+    assert "".join(documents) == text and len(documents) == manifest["parts"]
+    assert all(d.endswith("\n") for d in documents)  # each piece ends where the next line starts
+
+
+def test_a_part_prepared_again_after_a_crash_writes_the_same_bytes(tmp_path, monkeypatch):
+    """A part's manifest is written last, so a part cut short is missing to the merge; preparing it again writes the
+    bytes an uninterrupted run writes, and a finished part is skipped, the merged manifest left in place."""
+    write_jsonl(tmp_path / "c.jsonl", 80)
+    inputs = [str(tmp_path / "c.jsonl")]
+    options = dict(part_bytes=8000, shard_tokens=100, workers=1, quiet=True)
+    assert prepare(inputs, str(tmp_path / "clean"), **options)["parts"] == 2
+    out = tmp_path / "crashed"
+    prepare(inputs, str(out), shard=(0, 2), **options)
+    written = []
+
+    def killed_after_one_shard(self, n):
+        if written:
+            raise KeyboardInterrupt
+        written.append(n)
+        write(self, n)
+
+    write = data._ShardWriter._write
+    monkeypatch.setattr(data._ShardWriter, "_write", killed_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, str(out), shard=(1, 2), **options)
+    monkeypatch.undo()
+    assert not os.path.exists(out / "part_000001.json") and os.path.exists(out / "train_000001_000000.bin")
+    with pytest.raises(DataError, match=r"lacks 1 of its 2 parts \(part 1\), not prepared yet or cut short; run the "
+                                        r"same prepare commands again \(finished parts are skipped\), then merge$"):
+        data.merge(str(out))
+    prepare(inputs, str(out), shard=(1, 2), **options)
+    finished = {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out)}
+    prepare(inputs, str(out), **options)  # every part up to date: only the merge runs
+    assert all(os.stat(out / name).st_mtime_ns == mtime for name, mtime in finished.items())
+    assert same_files(tmp_path / "clean", out)
+    prepare(inputs, str(out), shard=(1, 2), **options)  # a finished job run again (a requeue) changes nothing
+    assert same_files(tmp_path / "clean", out)
+
+
+def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
+    """Parts made with another tokenizer or other settings (another --part_bytes would read the same input bytes
+    twice), or a part missing, are refused in one sentence naming the difference and the fix."""
+    tokenizers = pytest.importorskip("tokenizers")
+    write_corpus(tmp_path / "corpus", n_docs=30)
+    inputs = [str(tmp_path / "corpus")]
+    options = dict(part_bytes=3000, workers=1, quiet=True)
+    out = tmp_path / "out"
+    parts = prepare(inputs, str(tmp_path / "whole"), **options)["parts"]
+    assert parts >= 4
+    prepare(inputs, str(out), shard=(0, 2), **options)
+    odd = ", ".join(map(str, range(1, parts, 2)))
+    with pytest.raises(DataError, match=rf"lacks {parts // 2} of its {parts} parts \(part {odd}\)"):
+        data.merge(str(out))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(WORDS, tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "tiny").mkdir()
+    tok.save(str(tmp_path / "tiny" / "tokenizer.json"))
+    (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    fix = "; prepare every part with the same inputs and flags, into an --out_dir that holds no other preparation's parts"
+    for other, difference in [(dict(encoding=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
+                                                                       r"'cl100k_base'"),
+                              (dict(seed=1), "seed 1 against 0"), (dict(part_bytes=6000), "part_bytes 6000 against 3000")]:
+        prepare(inputs, str(out), shard=(1, 2), **options | other)
+        with pytest.raises(DataError, match=rf"^part_000001.json and part_000000.json come from different "
+                                            rf"preparations \({difference}\){re.escape(fix)}$"):
+            data.merge(str(out))
+    r = merge_cli(out)
+    assert r.returncode == 2 and r.stderr.startswith("error: part_000001.json and part_000000.json come from")
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    os.remove(out / "part_000001.json")  # the other preparation's part: prepared again as it should be
+    prepare(inputs, str(out), shard=(1, 2), **options)
+    data.merge(str(out))
+    assert same_files(tmp_path / "whole", out)
+
+
+def test_shard_flag_is_checked(tmp_path, capsys):
+    assert data._parse_args(["in.txt", "--shard=3/1000"]).shard == (3, 1000)
+    with pytest.raises(SystemExit):
+        data._parse_args(["in.txt", "--shard=3"])
+    assert "argument --shard: '3' is not I/N, e.g. 3/1000 for job 3 of 1000 (0 .. 999)" in capsys.readouterr().err
+    with pytest.raises(DataError, match="shard=4/4 must be I/N with 0 <= I < N, e.g. --shard=.SLURM_ARRAY_TASK_ID/1000"):
+        prepare([str(tmp_path)], str(tmp_path / "out"), shard=(4, 4), quiet=True)
+
+
+def test_parquet_row_groups_are_read_by_the_part_of_their_first_byte(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"row {i} " + "xyz" * (i % 40) for i in range(400)]
+    pq.write_table(pa.table({"id": list(range(400)), "text": texts}), tmp_path / "c.parquet", row_group_size=40)
+    inputs = [str(tmp_path / "c.parquet")]
+    options = dict(val_fraction=0, shuffle_docs=False, part_bytes=os.path.getsize(tmp_path / "c.parquet") // 4,
+                   quiet=True)
+    assert prepare(inputs, str(tmp_path / "one"), workers=1, **options)["parts"] == 4
+    assert split_documents(str(tmp_path / "one"), "train") == texts  # each row once, in order
+    for i in range(4):
+        prepare(inputs, str(tmp_path / "sharded"), shard=(i, 4), workers=1, **options)
+    data.merge(str(tmp_path / "sharded"), quiet=True)
+    assert same_files(tmp_path / "one", tmp_path / "sharded")
+    assert len({s["file"].split("_")[1] for s in load_manifest(str(tmp_path / "one"))["splits"]["train"]}) > 2
 
 
 def test_a_large_text_file_is_cut_into_documents_of_whole_paragraphs(tmp_path):
@@ -237,8 +406,9 @@ def test_a_large_text_file_is_cut_into_documents_of_whole_paragraphs(tmp_path):
     assert split_documents(str(tmp_path / "out"), "val") == [expected[i] for i in held_out]
     assert split_documents(str(tmp_path / "out"), "train") == [d for i, d in enumerate(expected) if i not in held_out]
     assert manifest["options"]["doc_chars"] == doc_chars
-    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), "text", doc_chars, None))
-    assert first == expected[0] and consumed < os.path.getsize(tmp_path / "book.txt") / 4
+    size = os.path.getsize(tmp_path / "book.txt")
+    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), 0, size, "text", doc_chars, None))
+    assert first == expected[0] and consumed < size / 4
 
 
 def test_doc_separator_cuts_text_files_at_a_string(tmp_path):

@@ -100,12 +100,13 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
     name = manifest["tokenizer"]
     assert name == "mytokenizer-" + manifest["tokenizer_sha256"][:16] and manifest["tokenizer_path"] == tok_dir
     assert manifest["eot_id"] == eos and manifest["vocab_size"] == reference.get_vocab_size()
-    with open(os.path.join(out[2], "train_000000.bin"), "rb") as f:
+    first_shard = manifest["splits"]["train"][0]["file"]
+    with open(os.path.join(out[2], first_shard), "rb") as f:
         assert data.HEADER.unpack(f.read(data.HEADER.size))[-1].rstrip(b"\0").decode() == name
     # document 0 is held out for val; the train split is all the others in order, each ended by the eos token
     expected = np.concatenate([reference.encode(d).ids + [eos] for d in docs[1:]])
     for out_dir in out.values():
-        train_tokens = np.fromfile(os.path.join(out_dir, "train_000000.bin"), np.uint16, offset=data.HEADER_BYTES)
+        train_tokens = np.fromfile(os.path.join(out_dir, first_shard), np.uint16, offset=data.HEADER_BYTES)
         assert np.array_equal(train_tokens, expected) and (train_tokens == eos).sum() == len(docs) - 1
     moved = str(shutil.copytree(tok_dir, tmp_path / "moved"))  # the same tokenizer elsewhere: prepared again
     assert data.prepare([str(tmp_path / "docs.jsonl")], out[1], moved, val_fraction=1 / len(docs), shuffle_docs=False,
