@@ -875,8 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     global clock
     command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or threads)
-    clock = CLOCKS[args.clock]
+    torch.set_num_threads(getattr(args, "threads", 0) or threads)
+    clock = CLOCKS[getattr(args, "clock", "wall")]  # bench.py data has neither: it times whole processes
     try:
         if clock is not CLOCKS["wall"] and parallel.use_cuda():
             raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
