@@ -2,15 +2,19 @@
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
 Each rank writes its shards of the model and optimizer with torch.distributed.checkpoint (DCP), keyed by parameter
-name, so any layout reads them back; the rest is JSON (loading never unpickles code). A save goes to step_N.tmp,
-renamed step_N once COMPLETE is written, so a run killed mid-save leaves the previous checkpoint the newest.
+name, so any layout reads them back; the rest is JSON, and DCP's .metadata is unpickled through an allow-list of its
+own classes (loading runs no code). A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run
+killed mid-save leaves the previous checkpoint the newest; the sha256 of every file, taken as it is written, lets a
+load refuse one whose bytes changed on disk.
 
     ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
                               config.json, state.json       training config; step, world size, "train", optimizer
-                              rng_00000.json, ..., COMPLETE  each rank's RNG states; the marker, written last
+                              rng_00000.json, ...            each rank's RNG states
+                              checksums.json, COMPLETE       every other file's sha256; the marker, written last
 
     python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
     python checkpoint.py export out/ckpt out/hf              # newest complete one (or step_N) -> HF folder + tokenizer
+    python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
     wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
@@ -21,11 +25,14 @@ renamed step_N once COMPLETE is written, so a run killed mid-save leaves the pre
 import argparse
 import base64
 import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -40,10 +47,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 
 import data
 from model import ModelConfig, config_fields, meta_model, refuse_unknown
@@ -154,6 +164,11 @@ def _read_json(folder: str, name: str, expected: str = "a checkpoint written by 
         return json.load(f, object_hook=_decode)
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def rng_state() -> dict:
     """This process's RNG states (saved per rank: each draws its own streams): torch CPU and CUDA, numpy, python."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
@@ -175,6 +190,7 @@ def set_rng_state(state: dict):
 # Finding and checking checkpoints
 
 MARKER = "COMPLETE"
+CHECKSUMS = "checksums.json"  # {file name: sha256} of every file the save wrote, written just before the marker
 _STEP_RE = re.compile(r"step_(\d+)(\.tmp)?")
 _Entry = namedtuple("_Entry", "step path complete tmp")  # tmp: a save in progress, or one that was killed
 
@@ -196,16 +212,71 @@ def latest(ckpt_root: str) -> str | None:
 
 
 class CorruptCheckpoint(ValueError):
-    """A checkpoint marked complete whose files are missing, truncated or unreadable; the message names the file."""
+    """A checkpoint marked complete whose files are missing, truncated, unreadable or changed since they were written;
+    the message names the file."""
 
 
 class SaveFailed(RuntimeError):
     """A save that could not be written (the message says why); its partial files are removed."""
 
 
-def verify(path: str):
-    """Check without reading tensor data that complete checkpoint `path` has all its files whole (each .distcp as
-    long as its tensors need, the JSON files parse); raises CorruptCheckpoint naming the first bad file."""
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+@contextmanager
+def _together(world: int, errors: tuple = (OSError,)):
+    """Every rank raises the first rank's error of type `errors` from the block, so none waits in a collective others
+    skip and all act on the same verdict."""
+    failure = None
+    try:
+        yield
+    except errors as e:
+        failure = e
+    failures = [failure] * world
+    if world > 1:
+        dist.all_gather_object(failures, failure)
+    if any(failures):
+        raise next(f for f in failures if f)
+
+
+# DCP pickles .metadata, and pickle.load would call whatever a crafted file names. These are the only globals its
+# metadata is made of (its dataclasses, torch's Size, layouts and dtypes, the path it was written to); any other
+# makes the file unreadable, so that the checkpoint is damaged and nothing more.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath"}}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not (dtype or name in _METADATA_GLOBALS.get(module, ())):
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+        return super().find_class(module, name)
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader with .metadata read through _MetadataUnpickler; dcp.load is given it as storage_reader."""
+
+    def read_metadata(self) -> Metadata:
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        return metadata
+
+
+def verify(path: str, contents: bool = True):
+    """Check that complete checkpoint `path` is whole, or raise CorruptCheckpoint naming the first bad file: each file
+    there, each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
+    `contents`, every file has the sha256 it was written with (checkpoints written before checksums.json: not this).
+    Every rank calls it: rank r reads every world-th file, and all raise the same verdict before anything is loaded."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -217,22 +288,31 @@ def verify(path: str):
         except ValueError:
             raise bad(name, "is not valid JSON (truncated?)") from None
 
-    read("config.json")
-    for r in range(read("state.json").get("world_size", 1)):
-        read(f"rng_{r:05d}.json")
-    try:
-        storage = dcp.FileSystemReader(path).read_metadata().storage_data
-    except FileNotFoundError:
-        raise bad(".metadata", "is missing") from None
-    except Exception:
-        raise bad(".metadata", "cannot be read (truncated?)") from None
-    # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
-    needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
-    for name, size in needed.items():
-        file = os.path.join(path, name)
-        have = os.path.getsize(file) if os.path.isfile(file) else None
-        if have is None or have < size:
-            raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
+    rank, world = _rank_world()
+    with _together(world, (CorruptCheckpoint,)):
+        read("config.json")
+        for r in range(read("state.json").get("world_size", 1)):
+            read(f"rng_{r:05d}.json")
+        try:
+            storage = _Reader(path).read_metadata().storage_data
+        except FileNotFoundError:
+            raise bad(".metadata", "is missing") from None
+        except Exception as e:  # truncated, or crafted: the allow-list refused it
+            raise bad(".metadata", f"cannot be read ({e})") from None
+        # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
+        needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
+        for name, size in needed.items():
+            file = os.path.join(path, name)
+            have = os.path.getsize(file) if os.path.isfile(file) else None
+            if have is None or have < size:
+                raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
+        checksums = read(CHECKSUMS) if contents and os.path.isfile(os.path.join(path, CHECKSUMS)) else {}
+        for name in sorted(checksums)[rank::world]:
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise bad(name, "is missing")
+            if _sha256(file) != checksums[name]:
+                raise bad(name, "has changed since it was written (its sha256 differs)")
 
 
 def load_latest(ckpt_root: str, state: dict, config=None, say=print,
@@ -289,10 +369,6 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
 # ------------------------------------------------------------------------------------------------------------------
 # Saving and loading training checkpoints
 
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _resolved_config(config, model) -> dict:
     """The training config as a dict, with the model's config (as a dict) under "model"."""
     out = asdict(config) if is_dataclass(config) else dict(config or {})
@@ -335,21 +411,6 @@ def _gloo_group(world_group):
     return dist.new_group(backend="gloo")
 
 
-@contextmanager
-def _together(world: int):
-    """Every rank raises the first rank's OSError from the block, so none waits in a collective others skip."""
-    failure = None
-    try:
-        yield
-    except OSError as e:
-        failure = e
-    failures = [failure] * world
-    if world > 1:
-        dist.all_gather_object(failures, failure)
-    if any(failures):
-        raise next(f for f in failures if f)
-
-
 def _first_failure(e: BaseException) -> tuple[int | None, str]:
     """(errno, one line) of an exception, or of the first rank's inside DCP's CheckpointException (every rank's)."""
     if isinstance(e, CheckpointException) and e.failures:
@@ -357,29 +418,62 @@ def _first_failure(e: BaseException) -> tuple[int | None, str]:
     return getattr(e, "errno", None), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
+def _no_space(folder: str, code: int | None, needed: int) -> str | None:
+    """'no space left on FOLDER (N MiB free)' when a write of `needed` bytes into FOLDER failed for lack of room: its
+    errno says so, or less than `needed` is free (torch's zip writer and safetensors drop the errno)."""
+    while not os.path.isdir(folder):  # a folder the failed write could not create: its disk is the parent's
+        folder = os.path.dirname(folder) or "."
+    free = shutil.disk_usage(folder).free
+    if code == errno.ENOSPC or free < needed:
+        return f"no space left on {folder} ({free / 2**20:.1f} MiB free)"
+    return None
+
+
 @contextmanager
-def _failing_cleanly(ckpt_root: str, step: int, rank: int):
-    """A write that fails (a full disk) becomes one SaveFailed sentence; its partial files are removed."""
+def _failing_cleanly(ckpt_root: str, step: int, rank: int, needed: int):
+    """A write of `needed` bytes on this rank that fails (a full disk) becomes one SaveFailed sentence; its partial
+    files are removed."""
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
     try:
         yield
     except (OSError, CheckpointException) as e:
+        code, line = _first_failure(e)
+        why = _no_space(ckpt_root, code, needed) or f"writing {tmp} failed ({line})"  # before the files are freed
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        code, line = _first_failure(e)
-        why = f"no space left on {ckpt_root}" if code == errno.ENOSPC else f"writing {tmp} failed ({line})"
         raise SaveFailed(f"{why}: checkpoint step_{step:08d} not written (its partial files are removed); the "
                          f"newest checkpoint is still {latest(ckpt_root) or 'none'}.") from None
 
 
-def _commit(ckpt_root: str, step: int, keep: int):
-    """Rank 0, once every rank has written its files: mark step_N.tmp complete, rename it step_N, then delete this
-    run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed saves older than `step`."""
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer that also takes the sha256 of each file it writes, as soon as it is written (in the
+    background, with an asynchronous save): this rank's .distcp files, and .metadata on the coordinator."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.checksums = {}
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        for name in {result.storage_data.relative_path for result in written.wait()}:
+            self.checksums[name] = _sha256(os.path.join(self.path, name))
+        return written
+
+    def finish(self, metadata, results):
+        super().finish(metadata, results)
+        self.checksums[".metadata"] = _sha256(os.path.join(self.path, ".metadata"))
+
+
+def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
+    """Rank 0, once every rank has written its files: write their checksums, mark step_N.tmp complete, rename it
+    step_N, then delete this run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed
+    saves older than `step`."""
     def run_id(path: str):  # None for an unreadable config.json
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
+    _write(os.path.join(final + ".tmp", CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
     _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
     shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
     os.rename(final + ".tmp", final)
@@ -410,33 +504,39 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     tensors, optim_rest = _state_dicts(state["model"], state.get("optim"))
     train, optim = _encode(state.get("train") or {}, "train"), _encode(optim_rest, "optimizer state")
     texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train, "optim": optim}, indent=1)
+    # This rank's bytes: less than that free after a failed write is a full disk.
+    needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for sd in tensors.values()
+                 for t in sd.values())
+    mine = [name for name in texts if rank == 0 or name.startswith("rng_")]
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
-    with _failing_cleanly(ckpt_root, step, rank):
+    writer = _Writer(tmp)
+    with _failing_cleanly(ckpt_root, step, rank, needed):
         with _together(world):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
                 os.makedirs(tmp)
         with _together(world):  # before DCP's collectives
-            for name, text in texts.items():
-                if rank == 0 or name.startswith("rng_"):
-                    _write(os.path.join(tmp, name), text)
+            for name in mine:
+                _write(os.path.join(tmp, name), texts[name])
+                writer.checksums[name] = _sha256(os.path.join(tmp, name))
         if async_save:
             group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
-            future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         else:
             future = Future()  # already done
-            future.set_result(dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized()))
+            future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized()))
 
     def wait():
         if wait in _pending:
             _pending.remove(wait)
-            with _failing_cleanly(ckpt_root, step, rank):
+            with _failing_cleanly(ckpt_root, step, rank, needed):
                 future.result()
+                checksums = [writer.checksums] * world
                 if world > 1:
-                    dist.barrier()  # every rank has written all of its files
+                    dist.all_gather_object(checksums, writer.checksums)  # also: every rank has written its files
                 with _together(world):  # no rank moves on before the checkpoint is complete for all
                     if rank == 0:
-                        _commit(ckpt_root, step, keep)
+                        _commit(ckpt_root, step, keep, {k: v for c in checksums for k, v in c.items()})
 
     wait.done = future.done
     _pending.append(wait)
@@ -470,14 +570,15 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
     rank; return the saved "train" dict. config (training config or ModelConfig): refuse another architecture. Rank r
     restores the RNG states of saved rank r % saved world size."""
     path = _resolve(path)
-    verify(path)
+    verify(path)  # every file as it was written, or every rank raises CorruptCheckpoint
     rank, world = _rank_world()
     saved_state = _read_json(path, "state.json")
     model, optim = state["model"], state.get("optim")
     if config is not None:
         _check_config(path, _read_json(path, "config.json"), config, model)
     tensors, optim_rest = _state_dicts(model, optim)
-    saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    reader = _Reader(path)
+    saved_meta = reader.read_metadata().state_dict_metadata
     wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
     missing = [k for k in wanted if k not in saved_meta]
     if missing:
@@ -491,7 +592,7 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
         raise ValueError(f"checkpoint {path} holds tensors of other shapes ({'; '.join(wrong[:3])}); "
                          f"resume with the checkpoint's model config.")
     try:
-        dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
@@ -510,18 +611,41 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
 # ------------------------------------------------------------------------------------------------------------------
 # Hugging Face folders: export a checkpoint, import a model to start from
 
-def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> str:
-    """Write a transformers `afmoe` folder (config.json, safetensors shards and an index, the tokenizer: by default
-    the data's) from checkpoint `ckpt_path` or a root's newest, one shard in memory at a time. Returns the one used."""
+def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
+    """One sentence for an out_dir that an export must not replace: a file, the checkpoint's own folder, or (unless
+    `overwrite`) a folder that holds files, such as another export."""
+    out = os.path.realpath(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out_dir} is a file; give a folder to export to.")
+    if os.path.commonpath([out, os.path.realpath(ckpt)]) == out:
+        raise ValueError(f"{out_dir} holds the checkpoint {ckpt} being exported; export to another folder.")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and not overwrite:
+        what = "another model" if "config.json" in held else "other files"
+        raise ValueError(f"{out_dir} already holds {what} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
+                         f"pass --overwrite to replace it once the new export is complete, or export to another "
+                         f"folder.")
+
+
+def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
+              overwrite: bool = False) -> str:
+    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` or a root's newest, one shard in memory at a
+    time: config.json (with the end-of-text id and the checkpoint it came from), generation_config.json, safetensors
+    shards and an index, the tokenizer (by default the data's). The checkpoint is verified first; the folder is
+    written beside out_dir and moved there once complete. An out_dir holding files is refused unless `overwrite`, and
+    is then replaced only by a complete export. Returns the checkpoint used."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
+    _refuse_export_dir(out_dir, path, overwrite)
+    verify(path)  # a damaged checkpoint is one sentence, before anything is written
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
-    if tokenizer is None:
+    enc = None if tokenizer is None else data.get_encoding(tokenizer)
+    if enc is None:
         warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
                       f"prepared with (--tokenizer)", stacklevel=2)
-    elif (n_vocab := data.get_encoding(tokenizer).n_vocab) > cfg.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer} has {n_vocab} token ids but the model in {path} only "
+    elif enc.n_vocab > cfg.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
                          f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
-    saved_meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved_meta = _Reader(path).read_metadata().state_dict_metadata
     meta = {n.removeprefix("model."): m for n, m in saved_meta.items() if n.startswith("model.")}
     names = list(meta_model(cfg).state_dict())
     missing = [n for n in names if n not in meta]
@@ -537,24 +661,46 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # an earlier export's weights would be mixed in by from_pretrained
-        if name.startswith("model") and ".safetensors" in name:
-            os.remove(os.path.join(out_dir, name))
-    weight_map = {}
-    for file, shard in zip(files, shards):
-        sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
-        dcp.load(sd, checkpoint_id=path, no_dist=True)
-        hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
-        save_file(hf_sd, os.path.join(out_dir, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(hf_sd, file))
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-        _write(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
-    hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch.")}
-    _write(os.path.join(out_dir, "config.json"), json.dumps(hf, indent=2))
-    if tokenizer is not None:
-        data.save_hf_tokenizer(tokenizer, out_dir)
+    source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
+              "run_id": saved_config.get("run_id")}
+    hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch."),
+          "eos_token_id": None if enc is None else enc.eot_token, "exported_from": source}
+    out_dir = os.path.normpath(out_dir)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".{os.path.basename(out_dir)}.tmp")
+    old = tmp.removesuffix(".tmp") + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
+    try:
+        os.makedirs(tmp)
+        weight_map = {}
+        for file, shard in zip(files, shards):
+            sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
+            dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
+            hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
+            save_file(hf_sd, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(hf_sd, file))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
+            _write(os.path.join(tmp, "model.safetensors.index.json"), json.dumps(index, indent=2))
+        _write(os.path.join(tmp, "config.json"), json.dumps(hf, indent=2))
+        if enc is not None:  # transformers' generate stops at this id
+            _write(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": enc.eot_token}))
+            data.save_hf_tokenizer(tokenizer, tmp)
+        mode = stat.S_IMODE(os.stat(os.path.join(tmp, "config.json")).st_mode)  # 0666 less the umask
+        for name in os.listdir(tmp):  # safetensors writes 0600 files
+            os.chmod(os.path.join(tmp, name), mode)
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(out_dir):  # empty, or replaced with overwrite: kept until the new export is in place
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except (OSError, SafetensorError) as e:
+        full = _no_space(os.path.dirname(tmp), _first_failure(e)[0], sum(nbytes.values()))
+        if full is None:
+            raise
+        raise SaveFailed(f"{full}: the export to {out_dir} was not written (its partial files are removed); "
+                         f"{out_dir} is unchanged.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -613,37 +759,37 @@ def _ls(ckpt_root: str):
     for e in entries:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(e.path) for f in fs)
         status = "complete" if e.complete else "partial" if e.tmp else "incomplete"
+        if e.complete:
+            try:
+                verify(e.path, contents=False)  # quick: the files' bytes are checked when one is loaded
+            except CorruptCheckpoint:
+                status = "damaged"
         print(f"{e.step:>10}  {status:<10}  {size / 2**20:>7.1f} MB  {e.path}")
     if entries:
-        print("partial: a save in progress or killed; incomplete: no COMPLETE marker. Only complete ones are loaded.")
+        print("partial: a save in progress or killed; incomplete: no COMPLETE marker; damaged: a file missing, "
+              "truncated or unreadable. Only complete ones are loaded, once their files' checksums match.")
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer (encode, decode, n_vocab, eot_token) or None, why none) from a Hugging Face
-    `afmoe` folder (its tokenizer through transformers) or a checkpoint or root (the tokenizer its data was prepared
-    with)."""
+    """(model in eval mode, tokenizer or None, why none) from a Hugging Face `afmoe` folder (its tokenizer.json) or a
+    checkpoint or root (the tokenizer its data was prepared with); either tokenizer is data.get_encoding's, so both
+    read the same prompts."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
-        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return model.eval(), None, f"{path} names no tokenizer"
-        try:
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # a missing package or an unreadable file: the prompt can still be token ids
-            return model.eval(), None, f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})"
-        return model.eval(), argparse.Namespace(encode=tok.encode, decode=tok.decode, n_vocab=len(tok),
-                                                eot_token=tok.eos_token_id), None
-    path, saved, cfg = saved_checkpoint(path)
-    model = meta_model(cfg).to_empty(device=device)
-    with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
-        warnings.simplefilter("ignore")
-        load(path, {"model": model})
-    if not saved.get("train", {}).get("tokenizer"):
+        tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    else:
+        path, saved, cfg = saved_checkpoint(path)
+        model = meta_model(cfg).to_empty(device=device)
+        with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
+            warnings.simplefilter("ignore")
+            load(path, {"model": model})
+        tokenizer = saved.get("train", {}).get("tokenizer")
+    if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"
     try:
-        return model.eval(), data.get_encoding(saved["train"]["tokenizer"]), None
-    except data.DataError as e:
+        return model.eval(), data.get_encoding(tokenizer), None
+    except data.DataError as e:  # the prompt can still be token ids
         return model.eval(), None, str(e)
 
 
@@ -656,12 +802,11 @@ def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] bools, True for the ids `tokenizer` can decode: the embedding is padded past its n_vocab, and
-    tiktoken's cl100k_base leaves some ids below n_vocab unassigned (100256 and 100261-100275)."""
-    if hasattr(tokenizer, "_mergeable_ranks"):  # tiktoken: its ids are those of its merges and special tokens
-        assigned = {*tokenizer._mergeable_ranks.values(), *tokenizer._special_tokens.values()}
-        return torch.tensor([i in assigned for i in range(vocab_size)])
-    return torch.arange(vocab_size) < tokenizer.n_vocab
+    """[vocab_size] bools, True for the ids `tokenizer` assigns (data.vocabulary's): the embedding is padded past its
+    vocabulary, and some leave ids inside it unassigned (cl100k_base: 100256 and 100261-100275)."""
+    allowed_V = torch.zeros(vocab_size, dtype=torch.bool)
+    allowed_V[[i for i in data.vocabulary(tokenizer).values() if i < vocab_size]] = True
+    return allowed_V
 
 
 def _sample(args):
@@ -683,7 +828,8 @@ def _sample(args):
     if args.prompt_ids is None and tokenizer is None:
         raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
                          f"--prompt_ids=1,2,3.")
-    ids = tokenizer.encode(args.prompt) if args.prompt_ids is None else args.prompt_ids
+    # "<|endoftext|>" in a prompt is that token, the boundary before a new document, as in the training data
+    ids = tokenizer.encode(args.prompt, allowed_special="all") if args.prompt_ids is None else args.prompt_ids
     V = model.cfg.vocab_size
     if not ids or not all(0 <= t < V for t in ids):
         raise ValueError(f"the prompt must be 1 or more token ids in [0, {V}), not {ids}; give --prompt or "
@@ -735,6 +881,8 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file (default 5 GiB)")
     p.add_argument("--tokenizer", default=None, help="tiktoken name or Hugging Face tokenizer folder to write "
                    "(default: the one the training data was prepared with)")
+    p.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (an earlier export), once "
+                   "the new export is complete")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root (its newest complete one) or a "
                                                "Hugging Face afmoe folder")
@@ -754,9 +902,10 @@ def main(argv=None) -> int:
         elif args.command == "sample":
             _sample(args)
         else:
-            used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30), args.tokenizer)
+            used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30), args.tokenizer,
+                             args.overwrite)
             print(f"exported {used} to {args.out_dir}")
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SaveFailed) as e:
         print(f"checkpoint.py: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
     return 0

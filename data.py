@@ -113,7 +113,14 @@ class HFTokenizer:
     def encode_ordinary(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    encode = encode_ordinary
+    def encode(self, text: str, allowed_special: str = "none") -> list[int]:
+        """tiktoken's encode as this project calls it: with allowed_special="all" (a prompt), a special token's text
+        ("<|endoftext|>") is that token; otherwise it is text."""
+        self.tokenizer.encode_special_tokens = allowed_special != "all"
+        try:
+            return self.encode_ordinary(text)
+        finally:
+            self.tokenizer.encode_special_tokens = True
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]

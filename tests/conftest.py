@@ -2,6 +2,7 @@
 
 import glob
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -40,6 +41,15 @@ def corpus_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("corpus"))
     data.prepare(files, out_dir=out, val_fraction=0.1, workers=1, quiet=True)
     return out
+
+
+def crafted_metadata(creates: str) -> bytes:
+    """A .metadata crafted to run code: pickle.load of it calls open(creates, "w"), so the file shows that it ran."""
+    class CreatesAFile:
+        def __reduce__(self):
+            return open, (creates, "w")
+
+    return pickle.dumps(CreatesAFile())
 
 
 def run_worker(fn, *args):

@@ -11,13 +11,16 @@ This file is also the worker the multi-process tests launch:
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +30,7 @@ import torch.nn as nn
 
 import checkpoint
 from checkpoint import export_hf, latest, load, load_hf, load_hf_into, save
-from conftest import run_worker
+from conftest import crafted_metadata, run_worker
 from model import ModelConfig, Transformer
 
 # DCP warns on every single-process call; checkpoint.py silences it, pytest's per-test filters bring it back.
@@ -173,6 +176,79 @@ def test_keep_prunes_old_checkpoints_only(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004", "step_00000009.tmp"]
 
 
+def flip_a_bit(ckpt: Path, tensor: torch.Tensor) -> Path:
+    """Flip one bit of `tensor`'s bytes where the checkpoint's .distcp file holds them: the file keeps its size."""
+    file = next(ckpt.glob("*.distcp"))
+    raw = bytearray(file.read_bytes())
+    at = raw.find(tensor.detach().numpy().tobytes())
+    assert at >= 0
+    raw[at + 5] ^= 0x08
+    file.write_bytes(raw)
+    return file
+
+
+def test_a_flipped_bit_is_a_damaged_checkpoint_on_every_load_path(tmp_path, capsys):
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    save(str(root), 1, {"model": model, "optim": optim}, {"model": cfg})
+    step1 = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, optim, 1)
+    save(str(root), 2, {"model": model, "optim": optim}, {"model": cfg})
+    newest = root / "step_00000002"
+    file = flip_a_bit(newest, model.layers["1"].ffn.experts.gate_up_proj)
+    message = f"checkpoint {newest} is damaged: {file} has changed since it was written (its sha256 differs)."
+
+    fresh, fresh_optim = make(cfg, seed=1)
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="^" + re.escape(message) + "$"):
+        load(str(newest), {"model": fresh, "optim": fresh_optim})
+    said = []  # the root: the newest checkpoint that loads, saying which one it skipped
+    path, _ = checkpoint.load_latest(str(root), {"model": fresh, "optim": fresh_optim}, say=said.append)
+    assert path == str(root / "step_00000001")
+    assert said == [f"{message} Skipping it, trying the previous checkpoint."]
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, step1[k]), k
+    for argv in (["sample", str(newest), "--prompt_ids=1,2", "--device=cpu"],
+                 ["export", str(newest), str(tmp_path / "hf")]):
+        assert checkpoint.main(argv) == 2
+        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
+    assert not (tmp_path / "hf").exists()
+    # A checkpoint written before checksums existed loads as it did.
+    (root / "step_00000001" / checkpoint.CHECKSUMS).unlink()
+    load(str(root / "step_00000001"), {"model": fresh, "optim": fresh_optim})
+
+
+def test_a_crafted_metadata_runs_no_code_on_any_load_path(tmp_path, capsys):
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(str(root), step, {"model": model}, {"model": cfg})
+    crafted = root / "step_00000002"
+    created = tmp_path / "created_by_the_pickle"
+    (crafted / ".metadata").write_bytes(crafted_metadata(str(created)))
+    (crafted / "checksums.json").unlink(missing_ok=True)  # as an attacker would: only the unpickler stands guard
+    message = (f"checkpoint {crafted} is damaged: {crafted / '.metadata'} cannot be read (it names io.open, which "
+               f"DCP's metadata never holds).")
+
+    for call in (lambda: checkpoint.verify(str(crafted)), lambda: load(str(crafted), {"model": Transformer(cfg)})):
+        with pytest.raises(checkpoint.CorruptCheckpoint) as damaged:
+            call()
+        assert not created.exists()  # the pickle did not run
+        assert str(damaged.value) == message
+    said = []
+    path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
+    assert path == str(root / "step_00000001") and said[0].startswith(message)
+    for argv in (["sample", str(crafted), "--prompt_ids=1,2", "--device=cpu"],
+                 ["export", str(crafted), str(tmp_path / "hf")]):
+        assert checkpoint.main(argv) == 2
+        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
+    assert checkpoint.main(["ls", str(root)]) == 0
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
+                                                                                       ["2", "damaged"]]
+    assert not created.exists()
+
+
 def save_loop(root):
     """Worker for the kill test: a ~100 MB model saved over and over, every parameter equal to the step."""
     model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])
@@ -298,9 +374,28 @@ def fsdp_worker(out_dir):
         for p in model.parameters():
             p.zero_()
     wait()
+    sha256, hashed = checkpoint._sha256, []
+    checkpoint._sha256 = lambda path: hashed.append(os.path.basename(path)) or sha256(path)
     assert load(os.path.join(out_dir, "ckpt"), {"model": model, "optim": optim})["step"] == 1
+    checkpoint._sha256 = sha256
     for k, v in model.state_dict().items():
         assert torch.equal(full(v), ref["model"][k]), k
+    # A bit flipped in rank 1's data file: whichever rank reads it, both refuse the checkpoint with the same words.
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(out_dir, "ckpt", "step_00000002", "__1_0.distcp"), "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    try:
+        load(os.path.join(out_dir, "ckpt", "step_00000002"), {"model": model, "optim": optim})
+        verdict = None
+    except checkpoint.CorruptCheckpoint as e:
+        verdict = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"hashed": hashed, "verdict": verdict}, f)
     if rank == 0:
         torch.save(ref, os.path.join(out_dir, "ref.pt"))  # run_worker tears the process group down
 
@@ -314,6 +409,18 @@ def test_two_fsdp_ranks_reshard_to_one_process(tmp_path):
     ckpt = tmp_path / "ckpt" / "step_00000001"
     assert sorted(p.name for p in ckpt.glob("rng_*.json")) == ["rng_00000.json", "rng_00001.json"]
     assert (tmp_path / "ckpt" / "step_00000002" / checkpoint.MARKER).exists()
+    # Every file either rank wrote has its checksum; loading on 2 ranks, each file was read by one rank only, and
+    # both refused the damaged checkpoint alike.
+    damaged = tmp_path / "ckpt" / "step_00000002"
+    with open(damaged / checkpoint.CHECKSUMS) as f:
+        checksums = json.load(f)
+    assert set(checksums) == {".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "state.json",
+                              "rng_00000.json", "rng_00001.json"}
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(ranks[0]["hashed"] + ranks[1]["hashed"]) == sorted(checksums)
+    assert ranks[0]["verdict"] == ranks[1]["verdict"] == (
+        f"checkpoint {damaged} is damaged: {damaged / '__1_0.distcp'} has changed since it was written (its sha256 "
+        f"differs).")
 
     model, optim = make(tiny_cfg(), seed=1)
     with pytest.warns(UserWarning, match="written by 2 ranks"):
@@ -356,9 +463,9 @@ def test_disk_full_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == (
-            f"no space left on {tmp_path / 'ckpt'}: checkpoint step_00000001 not written (its partial files are "
-            f"removed); the newest checkpoint is still none.")
+        assert re.fullmatch(re.escape(f"no space left on {tmp_path / 'ckpt'} (") + r"\d+\.\d MiB free\): " +
+                            re.escape("checkpoint step_00000001 not written (its partial files are removed); the "
+                                      "newest checkpoint is still none."), (tmp_path / f"rank{rank}.txt").read_text())
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002"]
 
 
@@ -408,6 +515,103 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
     other, _ = make(replace(cfg, expert_hidden=2 * cfg.expert_hidden), seed=1)
     with pytest.raises(ValueError, match="holds tensors of other shapes"):
         load_hf_into(other, str(tmp_path / "hf"))
+
+
+def test_export_replaces_nothing_until_it_is_complete(tmp_path, capsys):
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    save(str(root), 3, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
+    hf = tmp_path / "hf"
+    assert checkpoint.main(["export", str(root), str(hf)]) == 0
+    with open(hf / "config.json") as f:  # which checkpoint an export came from
+        assert json.load(f)["exported_from"] == {"checkpoint": str(root / "step_00000003"), "step": 3,
+                                                 "run_id": "a1b2c3"}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {name: stat.S_IMODE(os.stat(hf / name).st_mode) for name in os.listdir(hf)}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)  # as any new file, not safetensors' 0600
+    exported = {name: (hf / name).read_bytes() for name in os.listdir(hf)}
+    capsys.readouterr()
+
+    # Another model there: refused in one sentence.
+    train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 1)
+    save(str(root), 4, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
+    assert checkpoint.main(["export", str(root), str(hf)]) == 2
+    assert capsys.readouterr().err == (f"checkpoint.py: error: {hf} already holds another model (config.json, "
+                                       f"model.safetensors); pass --overwrite to replace it once the new export is "
+                                       f"complete, or export to another folder.\n")
+    # A damaged checkpoint exported over it: one sentence, and the earlier export is intact.
+    file = flip_a_bit(root / "step_00000004", model.head.weight)
+    assert checkpoint.main(["export", str(root), str(hf), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"checkpoint.py: error: checkpoint {root / 'step_00000004'} is damaged: {file} ")
+    assert len(err.splitlines()) == 1
+    assert {name: (hf / name).read_bytes() for name in os.listdir(hf)} == exported
+    # A whole one replaces it with --overwrite; nothing is left beside it.
+    save(str(root), 5, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
+    assert checkpoint.main(["export", str(root), str(hf), "--overwrite"]) == 0
+    with open(hf / "config.json") as f:
+        assert json.load(f)["exported_from"]["step"] == 5
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+    # Neither a folder of other files nor the checkpoints' own folder is replaced.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    assert checkpoint.main(["export", str(root), str(tmp_path / "notes")]) == 2
+    assert "already holds other files (todo.txt); pass --overwrite" in capsys.readouterr().err
+    assert checkpoint.main(["export", str(root / "step_00000005"), str(root), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"checkpoint.py: error: {root} holds the checkpoint {root / 'step_00000005'} "
+                                       f"being exported; export to another folder.\n")
+
+
+def test_transformers_generate_stops_at_the_exported_end_of_text(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    prompt = torch.tensor([[5, 17, 42]])
+    with torch.no_grad():
+        first = model.eval()(prompt)[0, -1].argmax().item()  # the first token greedy decoding writes
+    # A tokenizer whose end-of-text is that token: generate must stop right after it.
+    words = [f"w{i}" for i in range(cfg.vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{first}").save_pretrained(tmp_path / "t")
+    save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), tokenizer=str(tmp_path / "t"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.generation_config.eos_token_id == first
+    assert hf.generate(prompt, max_new_tokens=8, do_sample=False).tolist() == [[5, 17, 42, first]]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB file system (tmpfs) at tmp_path/disk; skipped where it cannot be mounted (that needs root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a 1 MiB tmpfs needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_is_said_in_clear_words(small_disk, tmp_path, capsys):
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)  # 1.7 MiB of weights
+    # torch's writer reports this as "[enforce fail at inline_container.cc] unexpected pos", without an errno
+    with pytest.raises(checkpoint.SaveFailed, match="^" + re.escape(f"no space left on {small_disk / 'ckpt'} (") +
+                       r"\d+\.\d MiB free\): checkpoint step_00000001 not written \(its partial files are removed\); "
+                       r"the newest checkpoint is still none\.$"):
+        save(str(small_disk / "ckpt"), 1, {"model": model}, {"model": cfg})
+    assert os.listdir(small_disk / "ckpt") == []
+    save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
+    assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(small_disk / "hf")]) == 2
+    assert re.fullmatch(re.escape(f"checkpoint.py: error: no space left on {small_disk} (") + r"\d+\.\d MiB free\): " +
+                        re.escape(f"the export to {small_disk / 'hf'} was not written (its partial files are "
+                                  f"removed); {small_disk / 'hf'} is unchanged.\n"), capsys.readouterr().err)
+    assert os.listdir(small_disk) == ["ckpt"]
 
 
 def test_load_hf_errors_name_the_problem(tmp_path):

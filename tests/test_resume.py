@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import checkpoint
 import data
 import train
-from conftest import TINY_MODEL_FLAGS
+from conftest import TINY_MODEL_FLAGS, crafted_metadata
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,3 +322,15 @@ def test_resume_with_another_architecture_fails_in_one_line(short_run, corpus_di
         f"error: checkpoint {short_run}/checkpoints/step_00000003 was saved with a different model architecture "
         f"(n_layers: 4 in the checkpoint vs 2 now; expert_hidden: 16 in the checkpoint vs 8 now); resume with the "
         f"checkpoint's model config or start a new run."]
+
+
+def test_resume_from_a_crafted_checkpoint_runs_no_code(short_run, corpus_dir, tmp_path):
+    ckpt = shutil.copytree(short_run / "checkpoints" / "step_00000003", tmp_path / "step_00000003")
+    created = tmp_path / "created_by_the_pickle"
+    (ckpt / ".metadata").write_bytes(crafted_metadata(str(created)))
+    (ckpt / "checksums.json").unlink(missing_ok=True)  # only the unpickler stands guard
+    with pytest.raises(checkpoint.CorruptCheckpoint) as damaged:
+        train.main(*train.parse_args(args(corpus_dir, tmp_path / "run", "--steps=4", f"--resume={ckpt}")))
+    assert not created.exists()
+    assert str(damaged.value) == (f"checkpoint {ckpt} is damaged: {ckpt / '.metadata'} cannot be read (it names "
+                                  f"io.open, which DCP's metadata never holds).")

@@ -211,15 +211,43 @@ def test_cli_uses_a_hf_folders_tokenizer(saved, capsys, tmp_path):
     words = ["[UNK]", "def", "x", "return", "(", ")", ":", "y"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # A tokenizer that names no end-of-text token: --prompt is refused in one sentence that says what to set.
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(hf_dir)
+    code, _, err = sample_cli(capsys, str(hf_dir), "--prompt=def x")
+    assert code == 2 and len(err.splitlines()) == 1 and "set eos_token in tokenizer_config.json" in err
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="y").save_pretrained(hf_dir)
     code, text, _ = sample_cli(capsys, str(hf_dir), "--prompt=def x", "--max_new_tokens=6", "--temperature=0")
-    sample = text.splitlines()[1].split()
-    assert code == 0 and sample[:2] == ["def", "x"] and len(sample) == 8 and set(sample) <= set(words)
+    sample = text.splitlines()[1].split()  # greedy never writes "y" here: 6 new tokens
+    assert code == 0 and sample[:2] == ["def", "x"] and len(sample) == 8 and set(sample) <= set(words) - {"y"}
     # With the third word as the tokenizer's end-of-text, the sample ends there, and the report says so.
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=sample[2]).save_pretrained(hf_dir)
     code, text, err = sample_cli(capsys, str(hf_dir), "--prompt=def x", "--max_new_tokens=6", "--temperature=0")
     assert code == 0 and text.splitlines()[1].split() == sample[:3]
     assert "1 x 1 tokens in" in err and "every sample reached end-of-text" in err
+
+
+def test_cli_a_checkpoint_and_its_export_read_the_same_prompts(saved, capsys, tmp_path):
+    """"<|endoftext|>" in a prompt is that token from a checkpoint and from its export (with cl100k_base as
+    tokenizer.json), and both draw only the ids cl100k_base assigns: the same samples."""
+    import data
+    model, out = saved
+    checkpoint.export_hf(str(out / "ckpt"), str(tmp_path / "hf"), tokenizer="cl100k_base")
+    flags = ["--prompt=<|endoftext|>def", "--max_new_tokens=10", "--num_samples=2", "--seed=3", "--top_k=0"]
+    code, from_checkpoint, _ = sample_cli(capsys, str(out / "ckpt"), *flags)
+    assert code == 0
+    code, from_export, _ = sample_cli(capsys, str(tmp_path / "hf"), *flags)
+    assert code == 0 and from_export == from_checkpoint
+    enc = data.get_encoding("cl100k_base")
+    prompt = [enc.eot_token, *enc.encode("def")]
+    torch.manual_seed(3)
+    expected = model.generate(torch.tensor([prompt] * 2), 10, 0.8, None, 1.0,
+                              checkpoint.decodable_ids(enc, CLI_CFG.vocab_size), enc.eot_token)
+    rows = [checkpoint.up_to_stop(row, len(prompt), enc.eot_token) for row in expected.tolist()]
+    assert from_checkpoint == "".join(f"--- sample {i + 1}/2\n{enc.decode(row)}\n" for i, row in enumerate(rows))
+    _, tokenizer, _ = checkpoint.sampling_model(str(tmp_path / "hf"), torch.device("cpu"))
+    allowed_V = checkpoint.decodable_ids(tokenizer, CLI_CFG.vocab_size)
+    holes = {100256, *range(100261, 100276), *range(100277, 100352)}  # unassigned in cl100k_base, then padding
+    assert set((~allowed_V).nonzero().flatten().tolist()) == holes
 
 
 @pytest.mark.parametrize("flags, message", [
