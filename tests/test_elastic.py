@@ -137,14 +137,16 @@ def test_the_lease_of_a_job_that_is_gone_is_taken_over(corpus_dir, tmp_path, cap
 # uninterrupted 2-rank run; the bound is test_resume's for a resumed layout change (LOSS_TOL, 1e-4).
 
 
-def agent(argv: list[str], port: int, log: Path) -> subprocess.Popen:
-    """One torchrun agent of 2 workers (a node) joining the elastic job at 127.0.0.1:port, in its own session."""
+def agent(argv: list[str], port: int, log: Path, host: bool = False) -> subprocess.Popen:
+    """One torchrun agent of 2 workers (a node) joining the elastic job at 127.0.0.1:port, in its own session; the
+    `host` agent holds the rendezvous store (a node the test never kills: the store is a single point of failure)."""
     # torch 2.11-2.13's agents share their rendezvous store with the workers by default, and a node that joins after
     # the first round then waits forever for the address the rank-0 agent no longer publishes: the variable turns that
     # sharing off (README, Limits). Shrinking and restarts work either way.
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic", "--rdzv_conf=last_call_timeout=2",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic",
+           f"--rdzv_conf=last_call_timeout=2,is_host={str(host).lower()}",
            "--max-restarts=3", "--monitor-interval=0.5", "train.py", *argv]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -164,7 +166,7 @@ def test_a_node_dies_the_job_shrinks_it_returns_the_job_grows(uninterrupted, cor
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    a = agent(argv, port, tmp_path / "a.log")
+    a = agent(argv, port, tmp_path / "a.log", host=True)
     b = agent(argv, port, tmp_path / "b.log")
     c = None
     try:
