@@ -2,14 +2,14 @@
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
 Each rank writes its shards of the model and optimizer with torch.distributed.checkpoint (DCP), keyed by parameter
-name, so any layout reads them back; the rest is JSON, and DCP's .metadata is unpickled through an allow-list of its
-own classes (loading runs no code). A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run
+name, so any layout reads them back (the train state's tensors too); the rest is plain JSON, and DCP's .metadata is
+unpickled through an allow-list of its own classes (loading runs no code). Training draws no random number after
+initialisation (the data order has seeds of its own), so no RNG state is saved. A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run
 killed mid-save leaves the previous checkpoint the newest; the sha256 of every file, taken as it is written, lets a
 load refuse one whose bytes changed on disk.
 
     ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
                               config.json, state.json       training config; step, world size, "train", optimizer
-                              rng_00000.json, ...            each rank's RNG states
                               checksums.json, COMPLETE       every other file's sha256; the marker, written last
 
     python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
@@ -17,33 +17,30 @@ load refuse one whose bytes changed on disk.
     python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
-    wait = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
-    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim}, config)  # skips damaged ones
+    pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
+    pending.wait()                                           # before the next save; pending.done(): written
+    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors}, config)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 """
 
 import argparse
-import base64
 import errno
 import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import stat
 import sys
 import time
 import warnings
-from collections import OrderedDict, namedtuple
+from collections import namedtuple
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, is_dataclass
 from functools import cache
-from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -57,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 import data
 from model import ModelConfig, config_fields, meta_model, refuse_unknown
+from parallel import rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -108,82 +106,18 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# JSON for the small non-DCP data: tensors (base64 of their exact bytes), tuples, non-string dict keys
-
-def _encode(obj, where: str):
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # exact, any dtype
-        return {"__tensor__": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
-                "data": base64.b64encode(raw).decode("ascii")}
-    if isinstance(obj, (tuple, list)):
-        items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return {"__tuple__": items} if isinstance(obj, tuple) else items
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not {"__tensor__", "__tuple__", "__items__"} & obj.keys():
-            return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    if isinstance(obj, (np.generic, np.ndarray)):
-        return obj.tolist()  # numpy comes back as python numbers and lists
-    raise TypeError(f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store; "
-                    f"use numbers, strings, lists, tuples, dicts or tensors.")
-
-
-def _decode(obj: dict):
-    """json.load's object_hook: undoes _encode on each dict, whose values come already decoded."""
-    if "__tensor__" in obj:
-        dtype, raw = getattr(torch, obj["__tensor__"]), bytearray(base64.b64decode(obj["data"]))
-        return (torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
-            obj["shape"])
-    if "__tuple__" in obj:
-        return tuple(obj["__tuple__"])
-    return dict(obj["__items__"]) if "__items__" in obj else obj
-
-
-def _config_json(obj):
-    if is_dataclass(obj):
-        return asdict(obj)
-    if isinstance(obj, (os.PathLike, torch.dtype)):
-        return os.fspath(obj) if isinstance(obj, os.PathLike) else str(obj).removeprefix("torch.")
-    raise TypeError(f"config value {obj!r} of type {type(obj).__name__} is not JSON; "
-                    f"use numbers, strings, lists or dicts in the training config.")
-
-
-def _write(path: str, text: str):
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
+# Files
 
 def _read_json(folder: str, name: str, expected: str = "a checkpoint written by this checkpoint.py") -> dict:
     if not os.path.isfile(os.path.join(folder, name)):
         raise FileNotFoundError(f"{folder} has no {name}; expected {expected}.")
     with open(os.path.join(folder, name)) as f:
-        return json.load(f, object_hook=_decode)
+        return json.load(f)
 
 
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def rng_state() -> dict:
-    """This process's RNG states (saved per rank: each draws its own streams): torch CPU and CUDA, numpy, python."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        np.random.set_state(state["numpy"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -218,10 +152,6 @@ class CorruptCheckpoint(ValueError):
 
 class SaveFailed(RuntimeError):
     """A save that could not be written (the message says why); its partial files are removed."""
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 @contextmanager
@@ -288,11 +218,10 @@ def verify(path: str, contents: bool = True):
         except ValueError:
             raise bad(name, "is not valid JSON (truncated?)") from None
 
-    rank, world = _rank_world()
+    rank, world = rank_world()
     with _together(world, (CorruptCheckpoint,)):
         read("config.json")
-        for r in range(read("state.json").get("world_size", 1)):
-            read(f"rng_{r:05d}.json")
+        read("state.json")
         try:
             storage = _Reader(path).read_metadata().storage_data
         except FileNotFoundError:
@@ -369,40 +298,28 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
 # ------------------------------------------------------------------------------------------------------------------
 # Saving and loading training checkpoints
 
-def _resolved_config(config, model) -> dict:
+def _resolved_config(config) -> dict:
     """The training config as a dict, with the model's config (as a dict) under "model"."""
     out = asdict(config) if is_dataclass(config) else dict(config or {})
     m = out.get("model")
-    if m is None and isinstance(getattr(model, "cfg", None), ModelConfig):  # torch.compile's wrapper passes .cfg on
-        m = model.cfg
     if m is not None and not isinstance(m, (dict, ModelConfig)):
         raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
     return out if m is None else {**out, "model": asdict(m) if isinstance(m, ModelConfig) else m}
 
 
-@contextmanager
-def _step_hooks_silenced(optim):
-    """get/set_state_dict take a zero-lr optimizer step to create missing state: the expert-bias hook must not fire."""
-    if optim is None:
-        yield
-        return
-    saved = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
-    optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-    try:
-        yield
-    finally:
-        optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = saved
-
-
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
 
 
-def _state_dicts(model, optim) -> tuple[dict, dict]:
-    """({"model": tensors, "optim": tensors} for DCP, the optimizer's other values), by parameter name, any wrapping."""
-    with _step_hooks_silenced(optim):
-        model_sd, optim_sd = get_state_dict(model, optim or [], options=_OPTIONS)
-    tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
-    return {"model": model_sd, "optim": tensors}, {k: v for k, v in optim_sd.items() if k not in tensors}
+def _state_dicts(state: dict) -> tuple[dict, dict, dict]:
+    """({"model": tensors, "optim": tensors, "train": tensors} for DCP, the optimizer's other values, the train
+    state's other values) of a save's or load's `state`, by parameter name, any wrapping."""
+    model_sd, optim_sd = get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
+    optim_tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
+    train = state.get("train") or {}
+    train_tensors = {k: v for k, v in train.items() if isinstance(v, torch.Tensor)}
+    return ({"model": model_sd, "optim": optim_tensors, "train": train_tensors},
+            {k: v for k, v in optim_sd.items() if k not in optim_tensors},
+            {k: v for k, v in train.items() if k not in train_tensors})
 
 
 @cache
@@ -473,8 +390,8 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
             return _read_json(path, "config.json").get("run_id")
 
     final = os.path.join(ckpt_root, f"step_{step:08d}")
-    _write(os.path.join(final + ".tmp", CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
-    _write(os.path.join(final + ".tmp", MARKER), f"{step}\n")
+    data.write_durably(os.path.join(final + ".tmp", CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
+    data.write_durably(os.path.join(final + ".tmp", MARKER), f"{step}\n")
     shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
     os.rename(final + ".tmp", final)
     fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
@@ -487,27 +404,62 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
         shutil.rmtree(e.path, ignore_errors=True)
 
 
-_pending: list[Callable[[], None]] = []
+class PendingSave:
+    """A save being written (in the background when asynchronous). Its one owner (train.py's loop) calls wait() on
+    every rank before the next save: it marks the checkpoint complete, or raises SaveFailed (once; later calls return
+    at once); abandon(ckpt_root, step) gives up on it instead."""
+
+    def __init__(self, ckpt_root: str, step: int, keep: int, future: Future, writer: "_Writer", needed: int):
+        self.ckpt_root = ckpt_root
+        self.step = step
+        self.keep = keep
+        self.future = future
+        self.writer = writer
+        self.needed = needed
+        self.completed = False
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (wait() still completes the checkpoint)."""
+        return self.future.done()
+
+    def wait(self):
+        if self.completed:
+            return
+        self.completed = True
+        rank, world = rank_world()
+        with _failing_cleanly(self.ckpt_root, self.step, rank, self.needed):
+            self.future.result()
+            checksums = [self.writer.checksums] * world
+            if world > 1:
+                dist.all_gather_object(checksums, self.writer.checksums)  # also: every rank has written its files
+            with _together(world):  # no rank moves on before the checkpoint is complete for all
+                if rank == 0:
+                    _commit(self.ckpt_root, self.step, self.keep, {k: v for c in checksums for k, v in c.items()})
+
+
+
+def abandon(ckpt_root: str, step: int) -> str:
+    """Give up the save of `step` (a second Ctrl-C): remove what it wrote so far, on rank 0; the partial folder."""
+    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
+    if rank_world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
 
 
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
-         async_save: bool = False) -> Callable[[], None]:
+         async_save: bool = False) -> PendingSave:
     """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks), "rng" (optional). async_save returns once tensors are on the CPU.
-    Every rank calls the returned wait() (wait.done(): written) before the next save; a failed write: SaveFailed."""
-    while _pending:  # a forgotten wait() of the previous async save
-        _pending[0]()
-    rank, world = _rank_world()
+    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json as plain JSON).
+    async_save returns once the tensors are staged on the CPU; a synchronous save is complete when it returns. A
+    failed write: SaveFailed."""
+    rank, world = rank_world()
+    tensors, optim_rest, train = _state_dicts(state)
     # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
-    texts = {"config.json": json.dumps(_resolved_config(config, state["model"]), indent=2, default=_config_json),
-             f"rng_{rank:05d}.json": json.dumps(_encode(state.get("rng") or rng_state(), "state['rng']"))}
-    tensors, optim_rest = _state_dicts(state["model"], state.get("optim"))
-    train, optim = _encode(state.get("train") or {}, "train"), _encode(optim_rest, "optimizer state")
-    texts["state.json"] = json.dumps({"step": step, "world_size": world, "train": train, "optim": optim}, indent=1)
+    texts = {"config.json": _json(_resolved_config(config), "config"),
+             "state.json": _json({"step": step, "world_size": world, "train": train, "optim": optim_rest}, "train")}
     # This rank's bytes: less than that free after a failed write is a full disk.
     needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for sd in tensors.values()
                  for t in sd.values())
-    mine = [name for name in texts if rank == 0 or name.startswith("rng_")]
     tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
     writer = _Writer(tmp)
     with _failing_cleanly(ckpt_root, step, rank, needed):
@@ -515,40 +467,35 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
                 os.makedirs(tmp)
-        with _together(world):  # before DCP's collectives
-            for name in mine:
-                _write(os.path.join(tmp, name), texts[name])
-                writer.checksums[name] = _sha256(os.path.join(tmp, name))
+                for name, text in texts.items():
+                    data.write_durably(os.path.join(tmp, name), text)
+                    writer.checksums[name] = _sha256(os.path.join(tmp, name))
         if async_save:
             group = _gloo_group(dist.group.WORLD) if dist.is_initialized() else None
             future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         else:
             future = Future()  # already done
             future.set_result(dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized()))
-
-    def wait():
-        if wait in _pending:
-            _pending.remove(wait)
-            with _failing_cleanly(ckpt_root, step, rank, needed):
-                future.result()
-                checksums = [writer.checksums] * world
-                if world > 1:
-                    dist.all_gather_object(checksums, writer.checksums)  # also: every rank has written its files
-                with _together(world):  # no rank moves on before the checkpoint is complete for all
-                    if rank == 0:
-                        _commit(ckpt_root, step, keep, {k: v for c in checksums for k, v in c.items()})
-
-    wait.done = future.done
-    _pending.append(wait)
+    pending = PendingSave(ckpt_root, step, keep, future, writer, needed)
     if not async_save:
-        wait()
-    return wait
+        pending.wait()
+    return pending
 
 
-def _check_config(path: str, saved_config: dict, config, model):
-    """Refuse a checkpoint saved with another model architecture or tokenizer than `config` names."""
-    resolved = _resolved_config(config, model)
-    current = asdict(config) if isinstance(config, ModelConfig) else resolved.get("model")
+def _json(obj, what: str) -> str:
+    """obj as JSON text, or one sentence naming what of `what` is not JSON (numbers, strings, lists, dicts)."""
+    def refuse(value):
+        if is_dataclass(value):
+            return asdict(value)
+        raise TypeError(f"the checkpoint's {what} holds {value!r} of type {type(value).__name__}, which JSON cannot "
+                        f"store; use numbers, strings, lists, dicts or (in the train state) tensors.")
+    return json.dumps(obj, indent=1, default=refuse)
+
+
+def _check_config(path: str, saved_config: dict, config):
+    """Refuse a checkpoint saved with another model architecture than `config` names. (Another tokenizer or data on
+    resume is train.py's to refuse: it may be a wanted change.)"""
+    current = asdict(config) if isinstance(config, ModelConfig) else _resolved_config(config).get("model")
     saved = saved_config.get("model")
     if current is not None and isinstance(saved, dict):
         # Fields that change neither the weights' shapes nor the function they compute may change on resume.
@@ -559,31 +506,28 @@ def _check_config(path: str, saved_config: dict, config, model):
         if diff:
             raise ValueError(f"checkpoint {path} was saved with a different model architecture "
                              f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
-    ours, theirs = (c.get("tokenizer", {}).get("name") for c in (resolved, saved_config))
-    if None not in (ours, theirs) and ours != theirs:
-        raise ValueError(f"checkpoint {path} was trained on {theirs} tokens but this run's data holds {ours} "
-                         f"tokens; resume on data prepared with {theirs}, or start a new run.")
 
 
 def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
-    """Load checkpoint `path` (or a root's newest) into state["model"] and state["optim"] in place, any layout, on every
-    rank; return the saved "train" dict. config (training config or ModelConfig): refuse another architecture. Rank r
-    restores the RNG states of saved rank r % saved world size."""
+    """Load checkpoint `path` (or a root's newest) into state["model"], state["optim"] and the tensors of
+    state["train"] in place, any layout, on every rank; return the saved train state's other values. config
+    (training config or ModelConfig): refuse another architecture."""
     path = _resolve(path)
     verify(path)  # every file as it was written, or every rank raises CorruptCheckpoint
-    rank, world = _rank_world()
     saved_state = _read_json(path, "state.json")
-    model, optim = state["model"], state.get("optim")
     if config is not None:
-        _check_config(path, _read_json(path, "config.json"), config, model)
-    tensors, optim_rest = _state_dicts(model, optim)
+        _check_config(path, _read_json(path, "config.json"), config)
+    tensors, optim_rest, _ = _state_dicts(state)
     reader = _Reader(path)
     saved_meta = reader.read_metadata().state_dict_metadata
     wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
     missing = [k for k in wanted if k not in saved_meta]
     if missing:
         hint = ("it was saved without optimizer state; pass no optimizer or start a new one"
-                if all(k.startswith("optim.") for k in missing) else "was it saved from another model?")
+                if all(k.startswith("optim.") for k in missing) else
+                "it was written by an earlier version, whose train state was JSON; export it (checkpoint.py export) "
+                "and start from it with --init_from_hf" if all(k.startswith("train.") for k in missing) else
+                "was it saved from another model?")
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this run needs, e.g. "
                          f"{', '.join(missing[:3])}; {hint}.")
     wrong = [f"{k} {tuple(saved_meta[k].size)} in the checkpoint vs {tuple(v.shape)} now"
@@ -597,14 +541,10 @@ def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> di
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
     optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
-    with _step_hooks_silenced(optim):
-        set_state_dict(model, optim or [], model_state_dict=tensors["model"], optim_state_dict=optim_sd,
-                       options=_OPTIONS)
-    saved_world = saved_state["world_size"]
-    if saved_world != world and rank == 0:
-        warnings.warn(f"checkpoint {path} was written by {saved_world} ranks and this run has {world}: "
-                      f"rank r resumes the RNG streams of saved rank r % {saved_world}.", stacklevel=2)
-    set_rng_state(_read_json(path, f"rng_{rank % saved_world:05d}.json"))
+    set_state_dict(state["model"], state.get("optim") or [], model_state_dict=tensors["model"],
+                   optim_state_dict=optim_sd, options=_OPTIONS)
+    for name, tensor in tensors["train"].items():  # DCP loaded into copies where the layout differs
+        state["train"][name].copy_(tensor)
     return saved_state["train"]
 
 
@@ -680,10 +620,10 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
             weight_map.update(dict.fromkeys(hf_sd, file))
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-            _write(os.path.join(tmp, "model.safetensors.index.json"), json.dumps(index, indent=2))
-        _write(os.path.join(tmp, "config.json"), json.dumps(hf, indent=2))
+            data.write_durably(os.path.join(tmp, "model.safetensors.index.json"), json.dumps(index, indent=2))
+        data.write_durably(os.path.join(tmp, "config.json"), json.dumps(hf, indent=2))
         if enc is not None:  # transformers' generate stops at this id
-            _write(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": enc.eot_token}))
+            data.write_durably(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": enc.eot_token}))
             data.save_hf_tokenizer(tokenizer, tmp)
         mode = stat.S_IMODE(os.stat(os.path.join(tmp, "config.json")).st_mode)  # 0666 less the umask
         for name in os.listdir(tmp):  # safetensors writes 0600 files

@@ -642,7 +642,7 @@ class Muon(torch.optim.Optimizer):
         batches = []
         for p, u, group in items:
             u = u.reshape(-1, *u.shape[-2:])
-            key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_eps"])
             batch = open_batches.get(key)
             if batch is None or batch[1] + u.numel() > self.batch_elements:
                 batch = open_batches[key] = [[], 0]

@@ -426,15 +426,19 @@ class TrainState:
         return cls(0, torch.zeros(len(model.moe_layers()), model.cfg.n_experts, device=device))
 
     def saved(self, step: int) -> dict:
-        """The checkpoint's train-state keys (momentum on the CPU)."""
-        return {"step": step, "skipped": self.skipped, "momentum": self.momentum.cpu(),
+        """The checkpoint's train-state keys (the momentum a tensor, which the checkpoint keeps beside the weights)."""
+        return {"step": step, "skipped": self.skipped, "momentum": self.momentum,
                 "skipped_data": self.skipped_data, "recent": self.recent, "spikes": self.spikes,
                 "rollbacks": self.rollbacks}
 
+    def tensors(self) -> dict:
+        """Where a checkpoint's train-state tensors load, in place."""
+        return {"momentum": self.momentum}
+
     def load(self, saved: dict):
+        """The train state's values besides its tensors (checkpoint.load has loaded those in place)."""
         self.step = saved["step"]
         self.skipped = saved["skipped"]
-        self.momentum.copy_(torch.as_tensor(saved["momentum"]))
         self.resumed_world = saved.get("world_size", 0)
         self.skipped_data = saved.get("skipped_data", [])  # absent from checkpoints older than the spike guard
         self.recent = saved.get("recent", [])
@@ -1044,7 +1048,7 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: Tr
     """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
     optimizer and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
     checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
-    targets = {"model": model, "optim": optimizer}
+    targets = {"model": model, "optim": optimizer, "train": state.tensors()}
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
     else:
@@ -1367,7 +1371,7 @@ class Loop:
         self.drills = drills
         self.repeated = set()  # the sources warned about being read more than REPEATED_EPOCHS times
         self.alerts = alerts
-        self.first_loss = self.val_loss = self.out = self.pending = self.lost = None
+        self.first_loss = self.val_loss = self.out = self.pending = self.writing = self.lost = None
         self.t_start = self.t_last = self.ckpt_time = time.time()
         self.logged_step = self.start_step = state.step
         self.resumed = state.step > 0  # the first step checks the checkpoint against the losses it recorded
@@ -1390,11 +1394,23 @@ class Loop:
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
-        while self.state.step < self.run.tc.steps:
-            if self.step():
-                break
-        self.complete()
+        try:
+            while self.state.step < self.run.tc.steps:
+                if self.step():
+                    break
+            self.complete()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt(self.abandon()) from None
         return self.finish()
+
+    def abandon(self) -> str:
+        """Give up the checkpoint being written, if any, removing its partial files: what a second Ctrl-C says."""
+        newest = checkpoint.latest(self.ckpt_root) or "none"
+        if self.writing is None:
+            return f"interrupted again: stopped at once in step {self.state.step + 1}; the newest checkpoint is {newest}"
+        partial = checkpoint.abandon(self.ckpt_root, self.writing)
+        return (f"interrupted again: checkpoint step_{self.writing:08d} abandoned before it was complete (its partial "
+                f"files {partial} removed); the newest checkpoint is {newest}")
 
     def step(self) -> bool:
         """One optimizer step (state.step) and the decisions after it; True when the run stops here (preempted)."""
@@ -1443,8 +1459,10 @@ class Loop:
         if last or preempted or clock_due or (applied and tc.ckpt_every and state.step % tc.ckpt_every == 0):
             self.save(state.step, final=last or preempted)
         if preempted:
-            say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
-                f"{state.step}; exiting")
+            self.complete()  # said written only once it is complete
+            if self.lost is None:
+                say(f"{'interrupted' if self.guard.interrupted else 'preempted'}: checkpoint written at step "
+                    f"{state.step}; exiting")
             return True
         if applied:
             self.drills.after_step(step)
@@ -1575,8 +1593,9 @@ class Loop:
         """Load the newest checkpoint of a step at most `up_to` that loads, as a resume does, with `history` (train
         state keys) laid over its train state; its path (None: there is none)."""
         self.complete()
-        path, saved = checkpoint.load_latest(self.ckpt_root, {"model": self.model, "optim": self.optimizer},
-                                             self.resolved, say, up_to=up_to)
+        path, saved = checkpoint.load_latest(self.ckpt_root, {"model": self.model, "optim": self.optimizer,
+                                                              "train": self.state.tensors()}, self.resolved, say,
+                                             up_to=up_to)
         if saved is None:
             return None
         self.state.load({**saved, **(history or {})})
@@ -1599,25 +1618,30 @@ class Loop:
         self.ckpt_step = step
         self.final = final
         self.ckpt_time = time.time()
+        self.writing = step  # until complete: what a second Ctrl-C abandons
         train = {**self.state.saved(step), "run_id": self.resolved["run_id"],
                  "schedule_steps": self.schedule.steps, "world_size": self.run.layout.world}
         try:
             self.pending = checkpoint.save(self.ckpt_root, step, {"model": self.model, "optim": self.optimizer,
                                            "train": train}, self.resolved, keep=tc.keep_ckpts, async_save=tc.async_ckpt)
         except checkpoint.SaveFailed as e:
+            self.writing = None
             return self.failed(e)
         if not tc.async_ckpt:
             self.complete()
 
     def complete(self):
         """Wait for the checkpoint write in flight, if any, and mark its checkpoint complete."""
-        pending, self.pending = self.pending, None
+        pending = self.pending
         if pending is None:
             return
         try:
-            pending()
+            pending.wait()
         except checkpoint.SaveFailed as e:
             return self.failed(e)
+        finally:
+            self.pending = None
+            self.writing = None
         say(f"checkpoint step_{self.ckpt_step:08d} complete, "
                      f"{time.time() - self.ckpt_time:.1f}s after it began")
         if self.run.master:
@@ -1761,7 +1785,8 @@ if __name__ == "__main__":
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
             time.sleep(2)
         sys.exit(1 if isinstance(e, (checkpoint.SaveFailed, Stopped)) else 2)
-    except KeyboardInterrupt:  # before the loop (nothing to save yet), or a second Ctrl-C
-        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+    except KeyboardInterrupt as e:  # before the loop (nothing to save yet), or a second Ctrl-C (it says what it left)
+        if os.environ.get("RANK", "0") == "0":
+            print(e.args[0] if e.args else "interrupted: no checkpoint written; exiting", file=sys.stderr)
         sys.exit(130)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

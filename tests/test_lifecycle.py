@@ -16,6 +16,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -189,6 +191,45 @@ def test_ctrl_c_checkpoints_and_exits_zero_in_one_line(corpus_dir, tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert f"interrupted: checkpoint written at step {stopped}; exiting" in stdout
     assert checkpoint.latest(str(out / "checkpoints")) == str(out / "checkpoints" / f"step_{stopped:08d}")
+
+
+def test_ctrl_c_says_written_once_complete_and_a_second_one_abandons_the_save(corpus_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """The checkpoint a Ctrl-C asks for is written in the background (slowed here): "written" is said only once it is
+    complete; a second Ctrl-C while it is written abandons it, says so, and removes its partial files."""
+    write_item = dcp_filesystem._write_item
+
+    def slow(*args):  # a few seconds a checkpoint
+        time.sleep(0.02)
+        return write_item(*args)
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", slow)
+    for second in (False, True):
+        out = tmp_path / f"second_{second}"
+
+        def interrupt():
+            while len(rows(out)) < 2:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            while second and not list((out / "checkpoints").glob("*.tmp")):
+                time.sleep(0.01)
+            if second:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        if not second:
+            stdout = run_here(args(corpus_dir, out, "--steps=30", "--ckpt_every=0"), capsys)
+            stopped = rows(out)[-1]["step"]
+            complete = stdout.index(f"checkpoint step_{stopped:08d} complete")
+            assert stdout.index(f"interrupted: checkpoint written at step {stopped}; exiting") > complete
+            continue
+        with pytest.raises(KeyboardInterrupt) as e:
+            run_here(args(corpus_dir, out, "--steps=30", "--ckpt_every=0"), capsys)
+        stopped = rows(out)[-1]["step"]
+        partial = out / "checkpoints" / f"step_{stopped:08d}.tmp"
+        assert e.value.args[0] == (f"interrupted again: checkpoint step_{stopped:08d} abandoned before it was complete "
+                                   f"(its partial files {partial} removed); the newest checkpoint is none")
+        assert "checkpoint written" not in capsys.readouterr().out and ckpts(out) == []
 
 
 def test_resumed_run_logs_each_step_once(finished, corpus_dir, tmp_path, capsys):
