@@ -120,7 +120,8 @@ def max_over_ranks(value: float) -> float:
 # ------------------------------------------------------------------------------------------------------------------
 # Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
-SCOPE, PHASE = "bench::", "train_step::"  # our ranges; train.train_step's ranges around its phases
+SCOPE = "bench::"  # our ranges
+PHASE = "train_step::"  # train.train_step's ranges around its phases
 COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
                 "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
 STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that are components of their own
@@ -198,7 +199,8 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
             e = e.cpu_parent
         return "other" if e is None else e.name[len(PHASE):]
 
-    resolved, forward_of = [], {}
+    resolved = []
+    forward_of = {}
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         label, where = owner(e)
         if label is not None and e.sequence_nr >= 0:
@@ -206,7 +208,8 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
             forward_of[(e.thread, e.sequence_nr)] = label
         resolved.append((e, label, where))
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops, phases = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0])), defaultdict(float)
+    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    phases = defaultdict(float)
     for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
@@ -281,7 +284,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     state = train.TrainState.fresh(model, device)
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
     twin = meta_model(cfg)
-    n, flops_per_token = twin.num_params(), twin.flops_per_token(tc.seq_len)
+    n = twin.num_params()
+    flops_per_token = twin.flops_per_token(tc.seq_len)
     say(f"bench: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
         f"{n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), {flops_per_token / 1e6:.1f} MFLOP/token; "
         f"seq {tc.seq_len}, global batch {tc.global_batch}, micro-batch {tc.micro_batch}, ac={tc.ac}, "
@@ -307,7 +311,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
               "tokens_per_step": tc.global_batch * tc.seq_len, **spread(ms)}
     say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
         f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
-    tok_s, peak = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3), train.peak_tflops(device, tc.peak_tflops)
+    tok_s = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3)
+    peak = train.peak_tflops(device, tc.peak_tflops)
     tflops = flops_per_token * tok_s / world / 1e12
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
                   mfu=tflops / peak if peak else None, peak_tflops=peak,
@@ -365,7 +370,8 @@ def step_config(tc: train.TrainConfig, cfg, world: int, clock_name: str) -> dict
 
 def environment(device: torch.device) -> dict:
     """What decides which kernels a step runs: library versions, the device and the backend switches."""
-    b, kernel_libraries = torch.backends, ("triton", "pytorch-triton", "nvidia-cublas", "nvidia-cudnn", "nvidia-nccl")
+    b = torch.backends
+    kernel_libraries = ("triton", "pytorch-triton", "nvidia-cublas", "nvidia-cudnn", "nvidia-nccl")
     env = {"torch": torch.__version__, "device": device_name(device),
            "float32 matmul precision": torch.get_float32_matmul_precision()}
     env |= {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
@@ -445,8 +451,10 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
     comps_old, comps_new = (old["components_ms"], new["components_ms"]) if profiled else ({}, {})
     moved = {}
     for label in sorted(comps_old.keys() | comps_new.keys()):
-        a, b = comps_old.get(label, zero), comps_new.get(label, zero)
-        ms_a, ms_b = a["share"] * old["ms_median"], b["share"] * new["ms_median"]
+        a = comps_old.get(label, zero)
+        b = comps_new.get(label, zero)
+        ms_a = a["share"] * old["ms_median"]
+        ms_b = b["share"] * new["ms_median"]
         noise = ((a["share_p75"] - a["share_p25"]) * old["ms_median"]
                  + (b["share_p75"] - b["share_p25"]) * new["ms_median"]) / 2
         if abs(ms_b - ms_a) > max(noise, tolerance * old["ms_median"]):  # a smaller move cannot fail the step
@@ -489,7 +497,8 @@ def layer_weights(model) -> dict:
         parts = name.split(".")
         layer = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
         w = p.detach().double()
-        total, squares = w.sum(), w.square().sum()
+        total = w.sum()
+        squares = w.square().sum()
         if isinstance(w, DTensor):  # each rank's partial sum: the whole one on every rank
             total = total.full_tensor()
             squares = squares.full_tensor()
@@ -575,7 +584,8 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
 
 def moe_report(result: dict, times: dict, flops: float, world: int):
     """Adds and prints the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
-    active, dense = result["active_hidden"], result["dense_hidden"]
+    active = result["active_hidden"]
+    dense = result["dense_hidden"]
     for name in times:
         result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
         result[f"{name}_ms_min"] = min(times[name])
@@ -603,10 +613,14 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
-    N, T = args.tokens, min(tc.seq_len, args.tokens)
+    N = args.tokens
+    T = min(tc.seq_len, args.tokens)
     if N % T:
         raise ValueError(f"--tokens={N} is not a multiple of --seq_len={T}; the balance loss works per sequence.")
-    D, E, K, I = cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_hidden
+    D = cfg.dim
+    E = cfg.n_experts
+    K = cfg.top_k
+    I = cfg.expert_hidden
     shared_hidden = I * cfg.n_shared_experts
     torch.manual_seed(tc.seed)
     if device.type == "cpu":
@@ -620,7 +634,8 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     dense_hidden = 128 * math.ceil(active_hidden / 128)
     dense = init_(FeedForward(D, dense_hidden).to(device), cfg.init_std)
     torch.manual_seed(tc.seed + 1 + rank)  # each rank its own tokens (the expert-parallel path mixes them)
-    x_BTD, dy_BTD = torch.randn(N // T, T, D, device=device), torch.randn(N // T, T, D, device=device)
+    x_BTD = torch.randn(N // T, T, D, device=device)
+    dy_BTD = torch.randn(N // T, T, D, device=device)
     say(f"moe: {tc.preset} shapes d_model {D}, {E} experts top-{K}, expert hidden {I}, shared hidden {shared_hidden}; "
         f"{N} tokens ({N // T} x {T}); {dtype or torch.float32} on {device_name(device)}; the same active FLOPs as a "
         f"dense SwiGLU of hidden {active_hidden:.0f} (router {100 * E / (3 * active_hidden):.0f}% of them); the dense "
@@ -643,7 +658,8 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     y_g, dx_g = variant("grouped")()
     if args.loop:  # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients
         grads_g = [p.grad.clone() for p in moe.experts.parameters()]
-        (y_l, dx_l), grads_l = variant("loop")(), [p.grad.clone() for p in moe.experts.parameters()]
+        y_l, dx_l = variant("loop")()
+        grads_l = [p.grad.clone() for p in moe.experts.parameters()]
         diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
         result["grouped_vs_loop_max_diff"] = diff / max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
     else:
@@ -681,7 +697,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
     tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
     run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
-    cfg, autocast = run.cfg, run.autocast
+    cfg = run.cfg
+    autocast = run.autocast
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
@@ -750,7 +767,8 @@ def bench_data(args) -> dict:
     hf = isinstance(enc, data.HFTokenizer)
     if hf:  # sizes tokenizers' thread pool, before its first use
         os.environ["RAYON_NUM_THREADS"] = str(max(args.workers))
-    docs, chars = [], 0
+    docs = []
+    chars = 0
     for path in itertools.cycle(data._stdlib_files()):  # cut as data.py cuts plain text; repeated up to --mb
         with open(path, encoding="utf-8", errors="replace") as f:
             docs += data._paragraph_documents(f, args.doc_chars)
@@ -769,7 +787,8 @@ def bench_data(args) -> dict:
             times = {"prepare": (math.inf, math.inf), "library": (math.inf, math.inf)}  # the best (wall, CPU) seconds
             for repeat, who in itertools.product(range(args.repeat), times):  # alternated: both see the same load
                 enc = data.get_encoding(args.tokenizer)  # a new one each time: no cache warmed by an earlier run
-                wall, cpu = time.perf_counter(), cpu_s()
+                wall = time.perf_counter()
+                cpu = cpu_s()
                 if who == "prepare":
                     manifest = data.prepare([corpus], os.path.join(tmp, f"out_{workers}_{repeat}"), args.tokenizer,
                                             val_fraction=0, workers=workers, quiet=True)
@@ -779,7 +798,8 @@ def bench_data(args) -> dict:
                 else:
                     tokens = sum(map(len, enc.encode_ordinary_batch(docs, num_threads=workers)))
                 times[who] = tuple(map(min, times[who], (time.perf_counter() - wall, cpu_s() - cpu)))
-            (prepare_wall, prepare_cpu), (library_wall, library_cpu) = times["prepare"], times["library"]
+            prepare_wall, prepare_cpu = times["prepare"]
+            library_wall, library_cpu = times["library"]
             rows.append({"workers": workers, "prepare_tokens_per_s": tokens / prepare_wall,
                          "prepare_tokens_per_cpu_s": tokens / prepare_cpu, "library_tokens_per_s": tokens / library_wall,
                          "library_tokens_per_cpu_s": tokens / library_cpu, "per_core_ratio": library_cpu / prepare_cpu})

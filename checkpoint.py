@@ -133,7 +133,8 @@ def _scan(ckpt_root: str) -> list[_Entry]:
     """Every step directory under ckpt_root, by step."""
     found = []
     for name in os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []:
-        m, path = _STEP_RE.fullmatch(name), os.path.join(ckpt_root, name)
+        m = _STEP_RE.fullmatch(name)
+        path = os.path.join(ckpt_root, name)
         if m and os.path.isdir(path):
             tmp = m.group(2) is not None
             found.append(_Entry(int(m.group(1)), path, not tmp and os.path.isfile(os.path.join(path, MARKER)), tmp))
@@ -397,7 +398,8 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
     fd = os.open(ckpt_root, os.O_RDONLY)  # make the rename itself durable
     os.fsync(fd)
     os.close(fd)
-    entries, run = _scan(ckpt_root), run_id(final)
+    entries = _scan(ckpt_root)
+    run = run_id(final)
     complete = [e for e in entries if e.complete and e.step != step and run_id(e.path) == run]
     doomed = complete[:max(0, len(complete) - (keep - 1))] if keep > 0 else []
     for e in doomed + [e for e in entries if e.tmp and e.step < step]:  # never a newer save in progress
@@ -593,10 +595,12 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
                          f"e.g. {', '.join(missing[:3])}.")
     nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
-    shards, size = [[]], 0
+    shards = [[]]
+    size = 0
     for n in names:
         if shards[-1] and size + nbytes[n] > max_shard_bytes:
-            shards, size = shards + [[]], 0
+            shards.append([])
+            size = 0
         shards[-1].append(n)
         size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
@@ -780,7 +784,8 @@ def _sample(args):
     t0 = time.time()
     rows = model.generate(torch.tensor([ids] * args.num_samples, device=device), args.max_new_tokens,
                           args.temperature, args.top_k or None, args.top_p, allowed_V, stop_id).tolist()  # waits
-    seconds, steps = time.time() - t0, len(rows[0]) - len(ids)
+    seconds = time.time() - t0
+    steps = len(rows[0]) - len(ids)
     for i, row in enumerate(rows):
         row = up_to_stop(row, len(ids), stop_id)
         print(f"--- sample {i + 1}/{args.num_samples}")

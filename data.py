@@ -246,7 +246,9 @@ def _paragraph_documents(f, max_chars: int):
     """A text file cut into documents of whole paragraphs (each with the blank lines after it), as many as fit in
     max_chars characters, read a line (of at most max_chars) at a time; a longer paragraph is cut at line ends.
     Joined, the documents are the file's text: a file of at most max_chars is one document."""
-    lines, size, start = [], 0, 0  # the document so far, its length, where its last paragraph starts in it
+    lines = []  # the document so far
+    size = 0  # its length
+    start = 0  # where its last paragraph starts in it
     after_blank = False
     for line in iter(functools.partial(f.readline, max_chars), ""):
         if after_blank and line.strip():
@@ -401,14 +403,19 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
 def _text_batches(pieces: list[tuple[str, int, int]], read, max_chars: int = 1 << 20):
     """Groups the documents read(path, start, end) yields into ~1 MB tasks, so handing them to a thread stays cheap
     next to the tokenising."""
-    texts, nbytes, chars = [], 0, 0
+    texts = []
+    nbytes = 0
+    chars = 0
     for piece in pieces:
         for text, consumed in read(*piece):
             texts.append(text)
-            nbytes, chars = nbytes + consumed, chars + len(text)
+            nbytes += consumed
+            chars += len(text)
             if chars >= max_chars:
                 yield texts, nbytes
-                texts, nbytes, chars = [], 0, 0
+                texts = []
+                nbytes = 0
+                chars = 0
     yield texts, nbytes
 
 
@@ -437,11 +444,15 @@ def _in_order(futures, window: int):
 def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, workers: int, say, label: str):
     """Every document's tokens, ended by the end-of-text token, in input order; tokenised on the pool's `workers`
     threads (both tokenizer libraries encode without holding Python's lock) while this one reads."""
-    total_bytes, done_bytes, n_tokens, started = sum(end - start for _, start, end in pieces), 0, 0, time.time()
+    total_bytes = sum(end - start for _, start, end in pieces)
+    done_bytes = 0
+    n_tokens = 0
+    started = time.time()
     batches = _text_batches(pieces, read)
     for docs, nbytes in _in_order((pool.submit(_encode_batch, enc, batch) for batch in batches), 4 * workers):
         yield from docs
-        done_bytes, n_tokens = done_bytes + nbytes, n_tokens + sum(map(len, docs))
+        done_bytes += nbytes
+        n_tokens += sum(map(len, docs))
         done = min(1, done_bytes / max(total_bytes, 1))
         say(f"\r  {label} [{'#' * int(30 * done):<30}] {done:6.1%}  {n_tokens / 1e6:.2f}M tokens  "
             f"{time.time() - started:.1f}s", end="")
@@ -462,9 +473,15 @@ class _ShardWriter:
     """Packs one split of one part into shards NAME_NNNNNN.bin of shard_tokens; the last shard takes the remainder."""
 
     def __init__(self, name: str, out_dir: str, shard_tokens: int, tokenizer: str, vocab_size: int):
-        self.name, self.out_dir, self.shard_tokens = name, out_dir, shard_tokens
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.pending, self.pending_tokens, self.documents, self.shards = collections.deque(), 0, 0, []
+        self.name = name
+        self.out_dir = out_dir
+        self.shard_tokens = shard_tokens
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.pending = collections.deque()
+        self.pending_tokens = 0
+        self.documents = 0
+        self.shards = []
 
     def add(self, doc: np.ndarray) -> None:
         self.documents += 1
@@ -484,7 +501,8 @@ class _ShardWriter:
 
     def _write(self, n: int) -> None:
         """The first n pending tokens as the next shard, written document by document: no copy of them."""
-        docs, left = [], n
+        docs = []
+        left = n
         while left:
             doc = self.pending.popleft()
             if len(doc) > left:  # the document goes on in the next shard
@@ -493,7 +511,8 @@ class _ShardWriter:
             docs.append(doc)
             left -= len(doc)
         self.pending_tokens -= n
-        name, max_token = f"{self.name}_{len(self.shards):06d}.bin", max(int(doc.max()) for doc in docs)
+        name = f"{self.name}_{len(self.shards):06d}.bin"
+        max_token = max(int(doc.max()) for doc in docs)
         header = HEADER.pack(MAGIC, VERSION, docs[0].itemsize, n, self.vocab_size, max_token, self.tokenizer.encode())
         write_durably(os.path.join(self.out_dir, name), header.ljust(HEADER_BYTES, b"\0"), *docs)
         self.shards.append({"file": name, "tokens": n, "max_token": max_token})
@@ -505,7 +524,9 @@ class _ShuffleBuffer(_ShardWriter):
 
     def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
-        self.rng, self.docs, self.tokens = np.random.default_rng(seed), [], 0
+        self.rng = np.random.default_rng(seed)
+        self.docs = []
+        self.tokens = 0
 
     def _pack(self, doc: np.ndarray) -> None:
         self.docs.append(doc)
@@ -584,7 +605,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
               "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
               **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}),
               "inputs": inputs, "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
-    started, workers = time.time(), workers or os.cpu_count() or 1
+    started = time.time()
+    workers = workers or os.cpu_count() or 1
     say(f"tokenizing {len(mine)} of the {len(parts)} parts of {len(files)} files "
         f"({sum(end - start for p in mine for _, start, end in parts[p]) / 1e6:.1f} MB) with {tokenizer} on "
         f"{workers} threads")
@@ -689,7 +711,9 @@ def load_manifest(data_dir: str) -> dict:
             manifest = json.load(f)
         shards = [shard for split in ("train", "val") for shard in manifest["splits"][split]]
         expected_itemsize = np.dtype(manifest["dtype"]).itemsize
-        tokenizer, vocab_size, version = manifest["tokenizer"], manifest["vocab_size"], manifest["version"]
+        tokenizer = manifest["tokenizer"]
+        vocab_size = manifest["vocab_size"]
+        version = manifest["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is not a nanotitan manifest ({type(e).__name__}: {e}); {fix}") from None
     _require(version == VERSION, f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
@@ -710,7 +734,8 @@ def load_manifest(data_dir: str) -> dict:
                  f"{vocab_size}); {fix}")
         _require(max_token < vocab_size,
                  f"{shard_path} holds token id {max_token}, outside its vocabulary of {vocab_size}; {fix}")
-        size, expected = os.path.getsize(shard_path), HEADER_BYTES + count * itemsize
+        size = os.path.getsize(shard_path)
+        expected = HEADER_BYTES + count * itemsize
         _require(size == expected, f"{shard_path} is truncated or corrupt: its header promises {count} tokens "
                  f"({expected} bytes) but the file has {size} bytes; {fix}")
     return manifest
@@ -761,11 +786,13 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     """index mapped through a seeded permutation of range(n) in O(1) memory: a Feistel network permutes the smallest
     2k-bit domain holding n (< 4n values); re-applying it to values >= n ("cycle-walking") lands back in range(n)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)
-    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    mask = np.uint64((1 << half) - 1)
     keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
 
     def encrypt(x):
-        left, right = x >> shift, x & mask
+        left = x >> shift
+        right = x & mask
         for key in keys:  # the round function is splitmix64's finaliser: every output bit depends on every input bit
             h = (right ^ key) * np.uint64(0x9E3779B97F4A7C15)  # uint64 wraps
             h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -995,7 +1022,8 @@ class DataLoader:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
-        B, T = self.global_batch // self.world_size, self.seq_len
+        B = self.global_batch // self.world_size
+        T = self.seq_len
         counts_S = self.counts(step)
         source_B = self.sources_of(step)
         # a row's place in its source's stream: what the source gave before this step, then its place in the block

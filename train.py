@@ -774,7 +774,8 @@ class Guard:
     def _signal(self, signum, frame):
         if signum == signal.SIGINT and self.interrupted:
             raise KeyboardInterrupt
-        self.requested, self.interrupted = True, self.interrupted or signum == signal.SIGINT
+        self.requested = True
+        self.interrupted = self.interrupted or signum == signal.SIGINT
 
     def beat(self, step: int):
         self.last_beat = time.time()
@@ -1361,7 +1362,9 @@ class Loop:
         self.optimizer = optimizer
         self.state = state
         self.schedule = schedule
-        (self.loader, self.val_loaders), self.resolved, self.flops_per_token = loaders, resolved, flops_per_token
+        self.loader, self.val_loaders = loaders
+        self.resolved = resolved
+        self.flops_per_token = flops_per_token
         self.sinks = MetricsSinks(tc, resolved, state.step, run.master)
         self.peak = peak_tflops(run.device, tc.peak_tflops)
         self.tokens_per_step = tc.global_batch * tc.seq_len
