@@ -163,17 +163,28 @@ def vocabulary(enc) -> dict[str, int]:
     return {**{_byte_level(token): rank for token, rank in enc._mergeable_ranks.items()}, **enc._special_tokens}
 
 
+def tokenizer_name(name: str) -> str:
+    """The name prepared data records of tokenizer `name`: a tiktoken encoding's, or a Hugging Face folder's short name
+    and the fingerprint of its tokenizer.json."""
+    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or else the same
+    vocabulary (a Hugging Face folder exported from a tiktoken encoding gives the same ids under another name)."""
+    return tokenizer_name(a) == tokenizer_name(b) or vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
+
+
 def check_vocabulary(manifest: dict, hf_dir: str) -> None:
-    """Refuses a Hugging Face model folder whose tokenizer's vocabulary is not the one the data was prepared with."""
+    """Refuses a Hugging Face model folder whose tokenizer is not the one the data was prepared with."""
     if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         print(f"warning: {hf_dir} has no tokenizer.json, so nothing shows that its model knows the data's "
               f"{manifest['tokenizer']} vocabulary; only that the data's token ids fit the model is checked",
               file=sys.stderr)
         return
-    data_tokenizer = get_encoding(manifest.get("tokenizer_path", manifest["tokenizer"]))
-    _require(vocabulary(get_encoding(hf_dir)) == vocabulary(data_tokenizer), f"{hf_dir} was trained with another "
-             f"vocabulary than the {manifest['tokenizer']} tokens of the data; prepare the data with `python data.py "
-             f"... --tokenizer {hf_dir}` and train with --tokenizer={hf_dir}")
+    _require(same_tokenizer(hf_dir, manifest.get("tokenizer_path", manifest["tokenizer"])), f"{hf_dir} was trained "
+             f"with another vocabulary than the {manifest['tokenizer']} tokens of the data; prepare the data with "
+             f"`python data.py ... --tokenizer {hf_dir}` and train with --tokenizer={hf_dir}")
 
 
 def save_hf_tokenizer(name: str, out_dir: str) -> None:
@@ -922,13 +933,14 @@ class Mixture:
         self.tokenizer = named[0] if named else None  # the manifest fields of the data's tokenizer
         if tokenizer is None:
             return
-        enc = get_encoding(tokenizer) if _is_folder(tokenizer) or not named else None  # loaded only when needed
-        name = enc.name.removesuffix("_offline") if enc else tokenizer.removesuffix("_offline")
-        for path, manifest in zip(self.paths, self.manifests):  # compared by the name the data records
-            _require(manifest.get("tokenizer", name) == name, f"{path} was tokenized with {manifest.get('tokenizer')} "
-                     f"but the model is configured for {name}; prepare the data with --encoding {name} or point the "
-                     f"run at data tokenized with it")
+        name = tokenizer_name(tokenizer)
+        for path, manifest in zip(self.paths, self.manifests):
+            _require("tokenizer" not in manifest or same_tokenizer(tokenizer, manifest.get("tokenizer_path",
+                     manifest["tokenizer"])), f"{path} was tokenized with {manifest.get('tokenizer')} but the model is "
+                     f"configured for {name}; prepare the data with --encoding {name} or point the run at data "
+                     f"tokenized with it")
         if not named:  # data that names no tokenizer has --tokenizer's vocabulary
+            enc = get_encoding(tokenizer)
             self.tokenizer = {"tokenizer": name, "vocab_size": enc.n_vocab,
                               **({"tokenizer_path": enc.path} if isinstance(enc, HFTokenizer) else {})}
 

@@ -1162,6 +1162,15 @@ SETTINGS = [f"train.{name}" for name in (
     "model.aux_loss_coef", "model.z_loss_coef"]
 
 
+def same_tokenizer(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint's recorded tokenizer is this run's: data.same_tokenizer, by the recorded name alone when
+    the checkpoint's tokenizer folder is gone."""
+    try:
+        return data.same_tokenizer(saved["source"], now["source"])
+    except data.DataError:
+        return saved["name"] == now["name"]
+
+
 def compare_settings(resume_from: str, resolved: dict):
     """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
     data set or tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by
@@ -1179,7 +1188,7 @@ def compare_settings(resume_from: str, resolved: dict):
         changed.pop("data", None)
         if saved["data"]["fingerprint"] != resolved["data"]["fingerprint"]:
             changed["data"] = (saved["train"]["data"], tc["data"])
-    if "tokenizer" in saved and saved["tokenizer"].get("name") != resolved["tokenizer"]["name"]:
+    if "tokenizer" in saved and not same_tokenizer(saved["tokenizer"], resolved["tokenizer"]):
         changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
     if not changed:
         return
