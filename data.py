@@ -44,7 +44,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from model import refuse_unknown
+from model import Parser
 
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 MAGIC = b"NTTOKENS"
@@ -1065,18 +1065,15 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _parse_merge_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="data.py merge", description="Check that OUT_DIR holds every part of one "
+    p = Parser(prog="data.py merge", description="Check that OUT_DIR holds every part of one "
                                 "sharded preparation and write its manifest.json for train.py.", allow_abbrev=False)
     p.add_argument("out_dir", help="the --out_dir of the `python data.py ... --shard=I/N` runs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    args, unknown = p.parse_known_args(argv)
-    if unknown:
-        refuse_unknown(p, unknown)
-    return args
+    return p.parse_args(argv)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Tokenize a corpus into shards for train.py; `python data.py merge OUT_DIR` "
+    p = Parser(description="Tokenize a corpus into shards for train.py; `python data.py merge OUT_DIR` "
                                 "merges the parts that --shard runs prepared.", allow_abbrev=False)
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
@@ -1103,10 +1100,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
     p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    args, unknown = p.parse_known_args(argv)
-    if unknown:
-        refuse_unknown(p, unknown)
-    return args
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

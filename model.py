@@ -105,6 +105,17 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
                        + "\n")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse for every command line here: an unknown flag is refused in one sentence naming the flag it most likely
+    means (refuse_unknown; `aliases`: other programs' names for its flags)."""
+    aliases: dict = {}
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split(), aliases=self.aliases)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 POSITIVE = at_least(1)
 NON_NEGATIVE = at_least(0, "0 or more")
 

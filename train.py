@@ -43,8 +43,8 @@ import checkpoint
 import data
 import parallel
 from parallel import say
-from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, Rule, above, at_least, check, max_vio, meta_model,
-                   one_of, option, pad_vocab, refuse_unknown, suggest, update_expert_bias)
+from model import (BALANCE_RULES, NON_NEGATIVE, POSITIVE, PRESETS, ModelConfig, Parser, Rule, above, at_least, check,
+                   max_vio, meta_model, one_of, option, pad_vocab, refuse_unknown, suggest, update_expert_bias)
 
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
@@ -211,12 +211,8 @@ OTHER_NAMES = {other: ours for ours, others in {
     "optimizer": "optimizer.name"}.items() for other in others.split()}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """An unknown flag names the closest valid one, or ours for another trainer's name (OTHER_NAMES)."""
-        if message.startswith("unrecognized arguments: "):
-            refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split(), aliases=OTHER_NAMES)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+class _Parser(Parser):
+    aliases = OTHER_NAMES  # another trainer's name for a flag names ours
 
 
 def _kind(f) -> type:
