@@ -275,6 +275,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
     run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
+    tc = run.tc  # --micro_batch=0 resolved to each rank's share, as train.py does
     cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
@@ -697,6 +698,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
     tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
     run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
+    tc = run.tc
     cfg = run.cfg
     autocast = run.autocast
     torch.manual_seed(tc.seed)
