@@ -744,10 +744,7 @@ def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
     """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: global_batch over
     the ranks the layout uses)."""
     tc, overrides = train.parse_args(argv)
-    try:
-        layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
-    except ValueError as e:
-        raise SystemExit(f"plan.py: error: {e}") from None
+    layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     return train.with_batch_defaults(tc, layout.world), overrides
 
 
@@ -768,9 +765,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, train.TrainConfig, dict]
     args.config = peek.parse_known_args(rest)[0].config
     try:
         args.gpus = args.gpus or (recorded_world_size(args.config) if args.config else 0) or 1
+        tc, overrides = train_args(rest, args.gpus)
     except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    tc, overrides = train_args(rest, args.gpus)
+        parser.error(str(e))
     if args.tokens:
         tc = dataclasses.replace(tc, steps=math.ceil(args.tokens / (tc.global_batch * tc.seq_len)))
     return args, tc, overrides

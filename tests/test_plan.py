@@ -371,11 +371,12 @@ def test_the_fastest_layout_s_command_trains_what_was_planned(capsys, tmp_path, 
     (["--learning_rate=1"], "unknown flag --learning_rate; did you mean --lr?"),
     (["--grad_sync=last"], "unknown flag --grad_sync"),
     (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
+    (["--gpus=8", "--dp_replicate=2", "--dp_shard=3"], "--dp_replicate=2 x --dp_shard=3 is 6 ranks but 8 were launched"),
 ])
 def test_mistyped_or_out_of_range_flags_are_one_sentence(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         plan.main(argv)
-    assert message in str(e.value) + capsys.readouterr().err
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------------------
