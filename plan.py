@@ -298,11 +298,11 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
     if not detail:
         return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
-    p = {"world": world, "dp_replicate": layout.dp_replicate, "dp_shard": S, "efsdp": Fs, "ep": layout.ep,
+    p = {"world": world, "layout": layout, "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac,
          "accumulation_steps": layout.accumulation_steps(tc.global_batch, tc.micro_batch),
-         "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac, "keep_gathered": tc.keep_gathered,
-         "params_total": facts["params"]["total"], "params_active": facts["params"]["active"],
-         "params_per_gpu": params, "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
+         "keep_gathered": tc.keep_gathered, "params_total": facts["params"]["total"],
+         "params_active": facts["params"]["active"], "params_per_gpu": params, "memory_bytes": memory,
+         "memory_total_bytes": sum(memory.values()),
          "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES}, "groups": groups,
          # DCP writes each replicated shard once, the writes spread over the replicas; a restart reads it whole
          "checkpoint": {"write_bytes": checkpointed / layout.dp_replicate, "read_bytes": checkpointed}}
@@ -312,7 +312,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
     """Plan `p`'s FLOPs per token by unit, its collectives by unit and their bytes per optimizer step, and the
     optimizer step's work."""
-    layout = parallel.Layout(p["world"], p["dp_replicate"], p["ep"])
+    layout = p["layout"]
     accum = p["accumulation_steps"]
     tokens = p["micro_batch"] * p["seq"]
     root = (full["root"], 0)
@@ -416,7 +416,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
                 ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
             tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
         tl.comm(RS, u["reduce_s"], tl.compute_end)
-        if last and p["dp_replicate"] > 1:
+        if last and p["layout"].dp_replicate > 1:
             tl.comm(AR, u["all_reduce_s"], tl.compute_end)
 
 
@@ -560,7 +560,8 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
           f"optimizer={r['optimizer']}")
     print(layout)
     print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
-          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['layout'].dp_shard}, replicated "
+          f"{p['layout'].dp_replicate}x)")
     print("memory per GPU:")
     for k, v in r["memory_gib"].items():
         print(f"  {k:48s} {v:9.2f} GiB")
@@ -674,8 +675,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
         {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
          "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
-    print_plan(result, p, t, links, parallel.Layout.following(args.gpus, tc.dp_replicate, tc.dp_shard, tc.ep).describe(cfg.n_experts),
-               rate_from)
+    print_plan(result, p, t, links, p["layout"].describe(cfg.n_experts), rate_from)
     print_failures(result["failures"], t, args)
     if args.search:
         best, tried, fit = search(cfg, tc, args.gpus, args.gpu, links, tflops * 1e12)
