@@ -33,8 +33,7 @@ import parallel
 import train
 from model import POSITIVE, PRESETS, MoE, RMSNorm, Rule, above, at_least, head_chunks, meta_model
 
-# ------------------------------------------------------------------------------------------------------------------
-# GPUs, and the memory a layout needs
+# --- GPUs, and the memory a layout needs
 
 # Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
 # (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
@@ -160,8 +159,7 @@ def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool
     return memory
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Links and collectives
+# --- Links and collectives
 
 @dataclasses.dataclass
 class Links:
@@ -216,17 +214,18 @@ def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c
     # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
     pairs = tokens * cfg.top_k
     a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
-    comm = {"gather": [(AG, c * full, groups["dp_shard"])] + ([(AG, c * expert_full, groups["efsdp"])] if moe else []),
-            "reduce": [(RS, 4 * full, groups["dp_shard"])] + ([(RS, 4 * expert_full, groups["efsdp"])] if moe else []),
-            "all_reduce": [(AR, 4 * full // layout.dp_shard, groups["dp_replicate"])]
-                          + ([(AR, 4 * expert_full // layout.efsdp, groups["dp_replicate"])] if moe else []),
+    sharded = [(full, groups["dp_shard"], layout.dp_shard)]  # (elements, FSDP group, its size)
+    if moe:
+        sharded.append((expert_full, groups["efsdp"], layout.efsdp))
+    comm = {"gather": [(AG, c * n, group) for n, group, _ in sharded],
+            "reduce": [(RS, 4 * n, group) for n, group, _ in sharded],
+            "all_reduce": [(AR, 4 * n // size, groups["dp_replicate"]) for n, _, size in sharded],
             "a2a_fwd": [(A2A, b, groups["ep"]) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
             "a2a_bwd": [(A2A, b, groups["ep"]) for b in a2a]}
     return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The optimizer step
+# --- The optimizer step
 
 @functools.lru_cache(maxsize=None)
 def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
@@ -243,8 +242,7 @@ def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
     """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
     (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
     owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
-    rounds = max(map(len, owned))
-    return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
+    return [sum(o) for o in owned], sum(map(max, itertools.zip_longest(*owned, fillvalue=0))), max(map(len, owned))
 
 
 def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
@@ -267,14 +265,12 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
             "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The plan of one layout
+# --- The plan of one layout
 
-def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None, detail: bool = True) -> dict:
+def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
     optimizer's work and a checkpoint's bytes for training `cfg` as train.py does with `tc` on `world` ranks: dense
-    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32.
-    detail=False: the memory only."""
+    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32."""
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
@@ -283,10 +279,10 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     S = layout.dp_shard
     Fs = layout.efsdp
     experts = [tuple((cfg.n_experts // layout.ep, *s[1:]) for s in unit) for unit in facts["experts"]]
-    params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
     # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
     full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
             "experts": [Fs * shard(u, Fs) for u in experts]}
+    params = (full["root"] + sum(full["blocks"])) // S + sum(full["experts"]) // Fs
     groups = {"dp_shard": links.span(1, S), "efsdp": links.span(layout.ep, Fs),
               "dp_replicate": links.span(S, layout.dp_replicate), "ep": links.span(1, layout.ep)}
     muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) \
@@ -296,8 +292,6 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     checkpointed = sum(v for k, v in memory.items() if k.startswith(("parameters", "optimizer")))
     acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep)
     memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
-    if not detail:
-        return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
     p = {"world": world, "layout": layout, "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac,
          "accumulation_steps": layout.accumulation_steps(tc.global_batch, tc.micro_batch),
          "keep_gathered": tc.keep_gathered, "params_total": facts["params"]["total"],
@@ -348,8 +342,7 @@ def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon:
             "optimizer": {"name": "muon" if muon else "adamw", **step}}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Time: one GPU's step on a timeline of compute and links
+# --- Time: one GPU's step on a timeline of compute and links
 
 class Timeline:
     """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
@@ -384,7 +377,7 @@ class Timeline:
         return start
 
     def in_line(self, kind: str, seconds: float):
-        """Work on the compute stream, if any; an all-to-all there (experts wait for their tokens) is link time too."""
+        """Work on the compute stream, if any; an all-to-all there is link time too."""
         if seconds:
             self.compute(seconds, kind=kind)
             if kind in (A2A, MUON_A2A):
@@ -457,8 +450,7 @@ def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
             "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The fastest layouts that fit, as train.py commands
+# --- The fastest layouts that fit, as train.py commands
 
 def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops_s: float, top: int = 5):
     """The `top` fastest layouts of `tc` on `world` GPUs that fit, each (TrainConfig, plan, projection): replicas,
@@ -474,9 +466,8 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
             tried += 1
             candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
                                             keep_gathered=keep)
-            if estimate(cfg, candidate, world, links, detail=False)["memory_total_bytes"] <= \
-                    FIT_FRACTION * mem_gib * 2**30:
-                p = estimate(cfg, candidate, world, links)
+            p = estimate(cfg, candidate, world, links)
+            if p["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
                 found.append((candidate, p, project(p, flops_s, peak, tc.steps)))
     found.sort(key=lambda f: (f[2]["step_s"], f[1]["memory_total_bytes"]))
     return found[:top], tried, len(found)
@@ -488,14 +479,14 @@ def flag(name: str, value) -> str:
 
 
 def layout_flags(tc: train.TrainConfig) -> str:
-    return " ".join(flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS) + (" --keep_gathered=true"
-                                                                                if tc.keep_gathered else "")
+    names = LAYOUT_FLAGS + (("keep_gathered",) if tc.keep_gathered else ())
+    return " ".join(flag(name, getattr(tc, name)) for name in names)
 
 
 def train_command(tc: train.TrainConfig, overrides: dict, config: str, world: int) -> str:
     """The train.py command line that trains `tc` with `overrides` on `world` ranks: the config file, the layout, then
     every other value that differs from what the file (or, without one, train.py's defaults) gives."""
-    base = [f"--config={config}"] if config else []
+    base = [flag("config", config)] if config else []
     base_tc, base_overrides = train_args(base, world)
     flags = base + [flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS]
     flags += [flag(f.name, getattr(tc, f.name)) for f in dataclasses.fields(tc)
@@ -513,8 +504,7 @@ def why_slower(t: dict, best: dict) -> str:
     return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Failures: the time they cost, and the checkpoint interval that loses least
+# --- Failures: the time they cost, and the checkpoint interval that loses least
 
 def lost_fraction(interval_s: float, checkpoint_s: float, down_s: float, mtbf_s: float) -> float:
     """The expected fraction of wall time lost, to first order in (interval, downtime) / MTBF: one checkpoint's cost
@@ -537,10 +527,8 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
     best_s = math.sqrt(2 * write_s * mtbf_s)
     periods = [s for s in (tc.ckpt_every * step_s, tc.ckpt_minutes * 60) if s > 0]
     configured_s = min(periods) if periods else math.inf  # no periodic checkpoint: a failure loses the whole run
-    goodput = {}
-    for name, interval in (("best", best_s), ("configured", configured_s)):
-        goodput[name] = {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s))
-                         for way, down in down_s.items()}
+    goodput = {name: {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s)) for way, down in down_s.items()}
+               for name, interval in (("best", best_s), ("configured", configured_s))}
     return {"mtbf_hours_per_gpu": args.mtbf_hours, "mtbf_hours_job": mtbf_s / 3600,
             "checkpoint_write_bytes": p["checkpoint"]["write_bytes"], "checkpoint_write_s": write_s,
             "checkpoint_read_bytes": p["checkpoint"]["read_bytes"], "checkpoint_read_s": read_s, "timeout_s": timeout_s,
@@ -548,11 +536,9 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
             "configured_interval_s": configured_s, "goodput": goodput}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The report
+# --- The report
 
 def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
-    """The plan's report: layout, parameters, memory, FLOPs, links, traffic, the step's time and the run's days."""
     peak, mem_gib = GPUS[r["gpu"]][:2]
     print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
           f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
@@ -599,7 +585,6 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
 
 
 def print_failures(f: dict, t: dict, args):
-    """What failures cost: the job's MTBF, the checkpoint's write and read, the downtime, the interval, goodput."""
     gib = 2**30
     hours = f["mtbf_hours_job"]
     print(f"failures: one every {hours:.3g} h on {args.gpus} GPUs ({f['mtbf_hours_per_gpu']:,.0f} GPU-hours each); a "
@@ -623,7 +608,7 @@ def print_failures(f: dict, t: dict, args):
 
 
 def print_search(best: list, tried: int, fit: int, t: dict, command: str, tc: train.TrainConfig, world: int):
-    """The fastest layouts, why each is slower than the first, and the train.py command of the first."""
+    """The fastest layouts, each with why it is slower than the first."""
     print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {tc.global_batch} x {tc.seq_len} kept):"
           + ("" if best else " none; use more GPUs or a smaller model"))
     fastest = best[0][2] if best else None
@@ -693,8 +678,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Command line: plan.py's own flags, then train.py's
+# --- Command line: plan.py's own flags, then train.py's
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
@@ -704,6 +688,7 @@ def plan_parser() -> argparse.ArgumentParser:
                                   "--global_batch, --micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), "
                                   "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
+    add("--config", default="", help="the run's config file, read as train.py reads it")
     add("--gpus", type=at_least(0).parse(int), default=0, help="world size (0: the --config file's world_size, else 1)")
     add("--gpu", choices=GPUS, default="b300",
         help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
@@ -716,18 +701,19 @@ def plan_parser() -> argparse.ArgumentParser:
         help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
              "of the peak)")
     add("--gpus_per_node", type=POSITIVE.parse(int), default=8, help="GPUs joined by NVLink")
-    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-    add("--net_gbs", type=at_least(0).parse(float), default=0, help="network GB/s per GPU each way between nodes (0: the "
-        "GPU kind's default, h100/h200/b200 50, b300 100)")
+    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU "
+        "kind's)")
+    add("--net_gbs", type=at_least(0).parse(float), default=0,
+        help="network GB/s per GPU each way between nodes (0: the GPU kind's)")
     add("--latency_us", type=at_least(0).parse(float), default=5.0, help="microseconds per step of a collective")
-    add("--hbm_gbs", type=at_least(0).parse(float), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
-        "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
+    add("--hbm_gbs", type=at_least(0).parse(float), default=0,
+        help="GPU memory GB/s, for the optimizer's elementwise passes (0: the GPU kind's)")
     add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
         help="mean hours between failures of one GPU (with its share of host, network and software): 8192 is one "
              "failure every 4 hours on 2,048 GPUs, as the run modelled here saw")
     add("--repair_minutes", type=at_least(0).parse(float), default=30.0,
         help="minutes from a failure to the relaunch when a person restarts the job: the no-step alert, someone on "
-             "call drains the node, swaps in a spare and relaunches (nights and weekends take longer)")
+             "call drains the node, swaps in a spare and relaunches")
     add("--restart_minutes", type=at_least(0).parse(float), default=5.0,
         help="minutes a restart takes besides reading the checkpoint: processes, rendezvous, NCCL set-up, "
              "torch.compile (the time from launch to the first step in a run's log)")
@@ -757,15 +743,13 @@ def recorded_world_size(path: str) -> int:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, train.TrainConfig, dict]:
-    """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus and args.config resolved."""
+    """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus resolved."""
     parser = plan_parser()
     args, rest = train.parse_tool_args(parser, argv)
-    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    peek.add_argument("--config", default="")
-    args.config = peek.parse_known_args(rest)[0].config
+    config = [flag("config", args.config)] if args.config else []
     try:
         args.gpus = args.gpus or (recorded_world_size(args.config) if args.config else 0) or 1
-        tc, overrides = train_args(rest, args.gpus)
+        tc, overrides = train_args(config + rest, args.gpus)
     except ValueError as e:
         parser.error(str(e))
     if args.tokens:
