@@ -10,10 +10,8 @@ imports it.
         --micro_batch=1 --ac=full --optimizer=muon --steps=168000   # the same run from flags
     python plan.py --config=large.toml --net_gbs=50 --tflops=450          # another network; a measured compute rate
     python plan.py --config=large.toml --mtbf_hours=4096 --storage_gbs=1  # more failures, slower storage
-    python plan.py --help
 
-`--json` prints the result as one JSON object on the last line. Exit 1: the plan does not fit the GPU; exit 2: a
-layout or value train.py would refuse.
+Exit 1: the plan does not fit the GPU; exit 2: a layout or value train.py would refuse.
 """
 
 import argparse
@@ -54,7 +52,7 @@ ADAMW_BYTES = 28
 # Muon: momentum (read buf, grad; write buf), Nesterov (read grad, buf; write u), weight decay (read, write param),
 # the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
 MUON_BYTES = 44
-# The train.py flags a layout is made of (and --keep_gathered): the search varies them; its commands state them.
+# The train.py flags of a layout (with --keep_gathered): the search varies them and its commands state them.
 LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
 
 
@@ -69,7 +67,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     E = cfg.n_experts
     K = cfg.top_k
     I = cfg.expert_hidden
-    Is = cfg.expert_hidden * cfg.n_shared_experts
+    Is = I * cfg.n_shared_experts
     Hd = H * cfg.head_dim
     Gd = G * cfg.head_dim
     # Per token. Attention: its input, q/k/v/gate, fp32 q/k norm scales, normed q, k, v, the output and its fp32
@@ -127,8 +125,7 @@ def model_facts(cfg) -> dict:
         "muon_dense": shapes(p for g in muon.param_groups if g["muon"] for p in g["params"] if p.dim() == 2),
         "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
         "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
-        "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
-                    for b in blocks],
+        "experts": [shapes(b.ffn.experts.parameters()) if isinstance(b.ffn, MoE) else () for b in blocks],
         # 6 FLOPs per weight a token touches: forward 2, backward 4
         "block_flops": [6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
                                 for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
@@ -180,8 +177,8 @@ class Links:
         """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
         node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
         k, m = group
-        s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
-        return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
+        in_node = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
+        return in_node + nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency
 
     def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
         """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
@@ -346,7 +343,7 @@ def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon:
 
 class Timeline:
     """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
-    queue for every FSDP collective); `seconds` counts, by kind, the time compute waits for the links."""
+    queue for every FSDP collective)."""
 
     def __init__(self):
         self.compute_end = 0.0
@@ -646,11 +643,10 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     t = project(p, tflops * 1e12, peak, tc.steps)
     total_gib = p["memory_total_bytes"] / 2**30
     budget = FIT_FRACTION * mem_gib
-    result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
-                  memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
+    result |= {k: p[k] for k in ("params_total", "params_active", "params_per_gpu", "flops_per_token",
+                                 "accumulation_steps")}
+    result.update(memory_gib_per_gpu=total_gib, memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
                   activations_gib_by_ac={k: v / 2**30 for k, v in p["activations_by_ac"].items()},
-                  flops_per_token=p["flops_per_token"], params_total=p["params_total"],
-                  params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
                   traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["traffic_bytes_per_step"].items()},
                   network_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["network_bytes_per_step"].items()},
                   step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
@@ -683,10 +679,10 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
 def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           epilog="Also takes every train.py flag and --config file (python train.py --help), read as "
-                                  "train.py reads them: --preset, model overrides such as --dim=512, --seq_len, "
-                                  "--global_batch, --micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), "
-                                  "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
+                           epilog="Also takes every train.py flag (python train.py --help), read as train.py reads "
+                                  "them: --preset, model overrides such as --dim=512, --seq_len, --global_batch, "
+                                  "--micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), --ac, "
+                                  "--optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
     add("--config", default="", help="the run's config file, read as train.py reads it")
     add("--gpus", type=at_least(0).parse(int), default=0, help="world size (0: the --config file's world_size, else 1)")
@@ -695,8 +691,8 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--tokens", type=at_least(0).parse(float), default=0,
         help="training token budget: sets --steps to the steps that reach it (0: train.py's --steps)")
     add("--mfu", type=Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1").parse(float), default=0.4,
-        help="the GPU's compute rate while it computes, as a fraction of its bf16 peak (communication is added by the "
-             "time model)")
+        help="the GPU's compute rate while it computes, a fraction of its bf16 peak (the time model adds "
+             "communication)")
     add("--tflops", type=at_least(0).parse(float), default=0,
         help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
              "of the peak)")
