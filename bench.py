@@ -14,8 +14,8 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
 
 `--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
 loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
-`--json` prints the report as one JSON object on the last line. On a shared machine compare ratios measured in one
-run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy cores can run 100x slower).
+On a shared machine compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu`
+(two threads on two busy cores can run 100x slower).
 """
 
 import argparse
@@ -250,9 +250,8 @@ def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
 
 
 def print_components(table: dict, wall_ms: float, what: str):
-    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to the component whose forward "
-        f"created it, recomputation under AC counted as forward; the output head's gradients are made in its "
-        f"forward):")
+    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to its forward's component, "
+        f"recomputation under AC counted as forward, the output head's gradients made in its forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
         say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} "
@@ -321,9 +320,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if args.breakdown:  # the median of up to five profiled steps
         runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
         table, kernels, wall, phases = median_profile(runs)
-        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
-            f"train_step's ranges, backward ops wherever autograd runs them, FSDP's collectives inside forward and "
-            f"backward):")
+        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in train_step's "
+            f"ranges, backward ops wherever autograd runs them, FSDP's collectives inside forward and backward):")
         for label, v in phases.items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
         print_components(table, wall, f"the median of {len(runs)} profiled training steps"
@@ -536,18 +534,16 @@ def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
         when = f"step {i} of {len(new['steps'])}" if i else "the initial weights"
         return verdict | {"lines": [f"numerics MOVED beyond {tolerance:.0e} (relative) at {when}: "
                                     f"{'; '.join(scalars + [where])}: exit 3"]}
-    return verdict | {"lines": [f"numerics: the initial weights and the first {len(new['steps'])} steps match the "
-                                f"baseline's within {tolerance:.0e} (relative): loss, gradient norm, every layer's "
-                                f"weights"]}
+    matched = f"the initial weights and the first {len(new['steps'])} steps match the baseline's within {tolerance:.0e}"
+    return verdict | {"lines": [f"numerics: {matched} (relative): loss, gradient norm, every layer's weights"]}
 
 
 # --- bench.py moe: one MoE layer, three ways
 
 def init_(module: nn.Module, std: float) -> nn.Module:
-    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does."""
-    with torch.no_grad():
-        for p in module.parameters():
-            nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does (nn.init draws without autograd)."""
+    for p in module.parameters():
+        nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
     return module
 
 
@@ -718,14 +714,14 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     first_diff = abs(losses["ours"] - losses["hf"])
     times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters, flip=True)
     result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": hf_impl[0],
-              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len,
-              "ours_ms": statistics.median(times["ours"]), "hf_ms": statistics.median(times["hf"]),
-              "ours_ms_min": min(times["ours"]), "hf_ms_min": min(times["hf"]), "first_loss_diff": first_diff}
+              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len, "first_loss_diff": first_diff}
+    for name, shown in (("ours", "ours"), ("hf", "transformers")):
+        result[f"{name}_ms"] = statistics.median(times[name])
+        result[f"{name}_ms_min"] = min(times[name])
+        print(f"  {shown:12s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
     result["speedup"] = result["hf_ms"] / result["ours_ms"]
     # Each iteration times the two steps back to back, so their ratio shares whatever else the machine was doing.
     result["speedup_paired"] = statistics.median(hf / ours for hf, ours in zip(times["hf"], times["ours"]))
-    print(f"  ours        median {result['ours_ms']:9.1f} ms (min {result['ours_ms_min']:.1f})")
-    print(f"  transformers median {result['hf_ms']:9.1f} ms (min {result['hf_ms_min']:.1f})")
     print(f"speedup (transformers / ours): {result['speedup']:.2f}x on the medians, {result['speedup_paired']:.2f}x "
           f"the median of the {len(times['hf'])} back-to-back pairs; first-step LM losses agree to {first_diff:.1e}")
     return result
@@ -812,8 +808,8 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
             "library's batch encoder runs on as many threads")
         add("--mb", type=above(0).parse(float), default=16, help="megabytes of text (the standard "
             "library's source, repeated as needed)")
-        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="the text is cut into documents of whole "
-            "paragraphs of up to this many characters, as data.py cuts plain text")
+        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="documents of whole paragraphs of up to this "
+            "many characters, as data.py cuts plain text")
         add("--repeat", type=POSITIVE.parse(int), default=3, help="runs of each, alternated; the best counts")
         return parser, []
     warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
@@ -824,18 +820,15 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     add("--clock", choices=CLOCKS, default="wall",
         help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
     if command == "step":
-        add("--save", default="", metavar="PATH",
-            help="write this run (times, components, kernel fingerprint, environment, the first steps' numbers) as a "
-                 "baseline")
-        add("--compare", default="", metavar="PATH", help="compare this run with a --save baseline of the same "
-            "flags; exit 1 when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, "
-            "4 both")
+        add("--save", default="", metavar="PATH", help="write this run (times, components, kernels, environment, "
+            "the first steps' numbers) as a baseline")
+        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1 "
+            "when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, 4 both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
         add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
             help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' loss, gradient norm or a "
-                 f"layer's weights (to their norm) past which the numbers moved, exit 3 (0: 1e-4 in fp32, 1e-2 in "
-                 f"bf16)")
+                 f"layer's weights (to their norm) past which the numbers moved (0: 1e-4 in fp32, 1e-2 in bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
