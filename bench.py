@@ -402,10 +402,10 @@ def load_baseline(path: str, config: dict) -> dict:
     return old
 
 
-def kernel_changes(old: dict, new: dict, min_ms: float, top: int = 3) -> dict:
-    """The `top` largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
+def kernel_changes(old: dict, new: dict, min_ms: float) -> dict:
+    """The three largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
     def largest(kernels: dict, size) -> dict:
-        return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:top])
+        return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:3])
 
     changed = {n: [old[n], new[n]] for n in old.keys() & new.keys()
                if old[n][0] != new[n][0] or abs(new[n][1] - old[n][1]) >= min_ms}
@@ -473,8 +473,8 @@ NUMERICS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative: far above fp32 ro
 
 
 def layer_weights(model) -> dict:
-    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head): the whole model's,
-    the same on every rank (a sharded weight's DTensor sums are reduced over its mesh)."""
+    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head), the same on every
+    rank (a sharded weight's partial sums are reduced over its mesh)."""
     sums = defaultdict(lambda: [0.0, 0.0])
     for name, p in model.named_parameters():
         parts = name.split(".")
@@ -577,7 +577,6 @@ def moe_report(result: dict, times: dict, flops: float, world: int):
             f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
     if "ep" in times:
         result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        result["ep_vs_local_max_diff"] = max_over_ranks(result["ep_vs_local_max_diff"])
         say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
             f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
             f"{result['ep_vs_local_max_diff']:.1e})")
@@ -627,11 +626,11 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             return fwd_bwd(layers[impl], x_BTD, dy_BTD, autocast)
         return run
 
-    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
-              "active_hidden": active_hidden, "dense_hidden": dense_hidden}
     def outputs(impl) -> list:  # the output, the input's gradient and the experts' weight gradients
         return [*variant(impl)(), *(p.grad.clone() for p in moe.experts.parameters())]
 
+    result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
+              "active_hidden": active_hidden, "dense_hidden": dense_hidden}
     grouped = outputs("grouped")
     if args.loop:  # grouped == loop on the same tokens
         loop = outputs("loop")
@@ -647,7 +646,7 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
         ep_moe.experts.impl = "grouped"
         layers["ep"] = ep_moe
-        result["ep_vs_local_max_diff"] = (variant("ep")()[0] - grouped[0]).abs().max().item()
+        result["ep_vs_local_max_diff"] = max_over_ranks((variant("ep")()[0] - grouped[0]).abs().max().item())
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
     moe_report(result, times, 6 * N * D * 3 * active_hidden, world)  # fwd + bwd of the active matmuls
     if args.breakdown:
@@ -676,9 +675,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     autocast = run.autocast
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
-    hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
-                                         if k not in ("model_type", "architectures")}, use_cache=False)
-    hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
+    hf = transformers.AfmoeForCausalLM(transformers.AfmoeConfig(**cfg.to_hf(), use_cache=False)).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
     opt_hf = parallel.build_optimizer(hf, tc)
@@ -701,7 +698,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
         for i in range(n_micro):
             rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
             with autocast:
-                logits_BTV = hf(input_ids=tokens_BT[rows], use_cache=False).logits
+                logits_BTV = hf(input_ids=tokens_BT[rows]).logits
                 loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT[rows].flatten())
             (loss / n_micro).backward()
             losses["hf"] += loss.item() / n_micro
@@ -731,8 +728,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 def bench_data(args) -> dict:
     """Tokens/s of data.prepare on standard-library source written as JSONL against the tokenizer library's batch
-    encoder on the same documents already in memory, for each --workers. Per core is tokens per CPU-second of every
-    process and thread, which other work on the machine inflates far less than wall time."""
+    encoder on the same documents already in memory, for each --workers; per core, which other work on the machine
+    inflates far less than wall time."""
     import tempfile
 
     import data
