@@ -236,8 +236,8 @@ def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
 
 @functools.lru_cache(maxsize=None)
 def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
-    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
-    (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
+    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks, one per rank a round: (FLOPs per rank, the
+    sum over rounds of the round's most, rounds)."""
     owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
     return [sum(o) for o in owned], sum(map(max, itertools.zip_longest(*owned, fillvalue=0))), max(map(len, owned))
 
@@ -605,7 +605,6 @@ def print_failures(f: dict, t: dict, args):
 
 
 def print_search(best: list, tried: int, fit: int, t: dict, command: str, tc: train.TrainConfig, world: int):
-    """The fastest layouts, each with why it is slower than the first."""
     print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {tc.global_batch} x {tc.seq_len} kept):"
           + ("" if best else " none; use more GPUs or a smaller model"))
     fastest = best[0][2] if best else None
