@@ -5,7 +5,7 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
     python bench.py --preset=tiny                        # ms/step, tokens/s, TFLOP/s, MFU, memory, phases, components
     python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
     python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
-    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved; exit 1 slower, 3 numerics moved
+    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved (exit codes below)
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
     python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
     torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
@@ -14,8 +14,8 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
 
 `--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
 loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
-`--json` prints the report as one JSON object on the last line. On a shared machine compare ratios measured in one
-run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy cores can run 100x slower).
+On a shared machine compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu`
+(two threads on two busy cores can run 100x slower).
 """
 
 import argparse
@@ -31,6 +31,7 @@ import resource
 import statistics
 import sys
 import time
+import unittest.mock
 from collections import defaultdict
 
 import torch
@@ -45,12 +46,13 @@ import train
 from parallel import say
 from model import POSITIVE, PRESETS, FeedForward, MoE, above, at_least, grouped_mm_supported, meta_model, suggest
 
-COMMANDS = {"moe": "one MoE layer: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert parallel)",
-            "vs-hf": "our training step vs transformers' AfmoeForCausalLM on the same config",
-            "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text"}
+COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert "
+                   "parallel).",
+            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM on the same config (forward, backward, "
+                     "clipping, AdamW), timed alternately.",
+            "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text."}
 
-# ------------------------------------------------------------------------------------------------------------------
-# Timing, memory and synthetic data
+# --- Timing, memory and synthetic data
 
 # --clock=cpu: the process's CPU time, which a busy machine inflates far less (use --threads=1: idle threads spin).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -89,14 +91,13 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
-def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int,
-                    docs_per_row: int = 4):
+def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int):
     """This rank's rows of a random global batch as train.py's loader gives them: (tokens, targets, doc ids), each
-    [B, T], every row `docs_per_row` documents split at random positions."""
+    [B, T], every row four documents split at random positions."""
     g = torch.Generator().manual_seed(seed)
     tokens_BT = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=g)
     starts_BT = torch.zeros(global_batch, seq_len, dtype=torch.long)
-    n_cuts = min(docs_per_row, seq_len) - 1
+    n_cuts = min(4, seq_len) - 1
     if n_cuts > 0:
         starts_BT.scatter_(1, torch.rand(global_batch, seq_len - 1, generator=g).topk(n_cuts, dim=1).indices + 1, 1)
     rows = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
@@ -110,15 +111,14 @@ def model_config(tc: train.TrainConfig, overrides: dict):
 
 
 def max_over_ranks(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
+    if parallel.rank_world()[1] == 1:
         return value
     t = torch.tensor([float(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Where the time goes: profiler ranges around the model's components, attributed forward and backward
+# --- Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
 SCOPE = "bench::"  # our ranges
 PHASE = "train_step::"  # train.train_step's ranges around its phases
@@ -131,18 +131,11 @@ STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that ar
 def wrapped(targets):
     """Each (object, attribute, label) callable wrapped in a profiler range `bench::label` for the duration, as an
     instance attribute (the way parallel.apply_ac wraps block.forward)."""
-    originals = []
-    try:
+    with contextlib.ExitStack() as patches:
         for obj, attr, label in targets:
-            originals.append((obj, attr, attr in vars(obj), getattr(obj, attr)))
-            setattr(obj, attr, torch.profiler.record_function(SCOPE + label)(originals[-1][3]))
+            in_range = torch.profiler.record_function(SCOPE + label)(getattr(obj, attr))
+            patches.enter_context(unittest.mock.patch.object(obj, attr, in_range))
         yield
-    finally:
-        for obj, attr, own, fn in reversed(originals):
-            if own:
-                setattr(obj, attr, fn)
-            else:
-                delattr(obj, attr)
 
 
 def moe_targets(moe: MoE) -> list:
@@ -213,14 +206,15 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
     for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
-        phases[phase(e)] += self_us(e) / 1e3 / steps
+        ms = self_us(e) / 1e3 / steps
+        phases[phase(e)] += ms
         if e.name.startswith(PHASE) and e.name[len(PHASE):] not in STEP_LABELS:
             continue  # a phase's own time (python between its ops) belongs to no component
         if label is None:  # inside a backward node
             label = forward_of.get((where.fwd_thread, where.sequence_nr),
                                    "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
             where = "bwd"
-        table[label][where] += self_us(e) / 1e3 / steps
+        table[label][where] += ms
         for name, us in [(k.name, k.duration) for k in e.kernels] if on_device else [(e.name, self_us(e))]:
             ops[label][name][0] += 1 / steps
             ops[label][name][1] += us / 1e3 / steps
@@ -256,9 +250,8 @@ def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
 
 
 def print_components(table: dict, wall_ms: float, what: str):
-    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to the component whose forward "
-        f"created it, recomputation under AC counted as forward; the output head's gradients are made in its "
-        f"forward):")
+    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to its forward's component, "
+        f"recomputation under AC counted as forward, the output head's gradients made in its forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
         say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} "
@@ -268,13 +261,13 @@ def print_components(table: dict, wall_ms: float, what: str):
         f"{wall_ms:.1f} ms profiled")
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# bench.py [train flags]: the training step
+# --- bench.py [train flags]: the training step
 
 def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
     run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
+    tc = run.tc  # --micro_batch=0 resolved to each rank's share, as train.py does
     cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
@@ -311,7 +304,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
               "tokens_per_step": tc.global_batch * tc.seq_len, **spread(ms)}
     say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
         f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
-    tok_s = tc.global_batch * tc.seq_len / (result["ms_median"] / 1e3)
+    tok_s = result["tokens_per_step"] / (result["ms_median"] / 1e3)
     peak = train.peak_tflops(device, tc.peak_tflops)
     tflops = flops_per_token * tok_s / world / 1e12
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
@@ -327,10 +320,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if args.breakdown:  # the median of up to five profiled steps
         runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
         table, kernels, wall, phases = median_profile(runs)
-        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in each of "
-            f"train_step's ranges, backward ops wherever autograd runs them; FSDP all-gathers and reduce-scatters run "
-            f"inside forward and backward; forward includes the output head's gradients, which the fused loss "
-            f"computes with the loss):")
+        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in train_step's "
+            f"ranges, backward ops wherever autograd runs them, FSDP's collectives inside forward and backward):")
         for label, v in phases.items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
         print_components(table, wall, f"the median of {len(runs)} profiled training steps"
@@ -348,13 +339,12 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
         numerics = compare_numerics(baseline.get("trajectory"), trajectory, args.numerics_tolerance)
         for line in verdict.pop("lines") + numerics.pop("lines"):
             say(line)
-        result.update(compare=verdict, numerics=numerics,
-                      exit=EXIT_CODES[verdict["exit"], numerics["moved"] is not None])
+        moved = numerics["moved"] is not None
+        result.update(compare=verdict, numerics=numerics, exit=verdict["exit"] + 3 * moved)  # 1 slower, 3 moved, 4 both
     return {k: v for k, v in result.items() if k not in ("kernels", "step_kernels")}  # too long for --json
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# bench.py --save / --compare: a throughput guard for upgrades (a new torch can move a matmul to a slower kernel
+# --- bench.py --save / --compare: a throughput guard for upgrades (a new torch can move a matmul to a slower kernel
 # without an error; only the step time and the kernels that ran show it)
 
 STEP_FIELDS = ("seq_len", "doc_mask", "global_batch", "micro_batch", "dtype", "ac", "compile", "dp_replicate", "ep",
@@ -394,13 +384,8 @@ def differences(old: dict, new: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
-def check_config(old: dict, new: dict):
-    if differences(old, new):
-        raise ValueError(f"the baseline was measured on another configuration ({', '.join(differences(old, new))}); "
-                         f"run with the baseline's flags, or --save a new baseline.")
-
-
 def load_baseline(path: str, config: dict) -> dict:
+    """The baseline at `path`, refused unless bench.py --save wrote it for the same `config`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--compare={path} does not exist; record a baseline first with --save={path}.")
     try:
@@ -410,14 +395,17 @@ def load_baseline(path: str, config: dict) -> dict:
         old = None
     if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
         raise ValueError(f"--compare={path} is not a baseline written by bench.py --save.")
-    check_config(old["config"], config)
+    moved = differences(old["config"], config)
+    if moved:
+        raise ValueError(f"the baseline was measured on another configuration ({', '.join(moved)}); run with the "
+                         f"baseline's flags, or --save a new baseline.")
     return old
 
 
-def kernel_changes(old: dict, new: dict, min_ms: float, top: int = 3) -> dict:
-    """The `top` largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
+def kernel_changes(old: dict, new: dict, min_ms: float) -> dict:
+    """The three largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
     def largest(kernels: dict, size) -> dict:
-        return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:top])
+        return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:3])
 
     changed = {n: [old[n], new[n]] for n in old.keys() & new.keys()
                if old[n][0] != new[n][0] or abs(new[n][1] - old[n][1]) >= min_ms}
@@ -438,7 +426,6 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
     """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
     noise band (half of each run's interquartile range, added) and `tolerance`. A component (its share of the profiled
     step times the step) moved beyond its own band and `tolerance` is named with its kernels that changed."""
-    check_config(old["config"], new["config"])
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
@@ -448,11 +435,10 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
              f"({100 * change:+.1f}%; noise band {100 * band:.1f}%, tolerance {100 * tolerance:.1f}%): {verdict}"]
     zero = {"total": 0.0, "share": 0.0, "share_p25": 0.0, "share_p75": 0.0}
     profiled = "kernels" in old and "kernels" in new  # not with --breakdown=false
-    comps_old, comps_new = (old["components_ms"], new["components_ms"]) if profiled else ({}, {})
     moved = {}
-    for label in sorted(comps_old.keys() | comps_new.keys()):
-        a = comps_old.get(label, zero)
-        b = comps_new.get(label, zero)
+    for label in sorted(old["components_ms"].keys() | new["components_ms"].keys() if profiled else ()):
+        a = old["components_ms"].get(label, zero)
+        b = new["components_ms"].get(label, zero)
         ms_a = a["share"] * old["ms_median"]
         ms_b = b["share"] * new["ms_median"]
         noise = ((a["share_p75"] - a["share_p25"]) * old["ms_median"]
@@ -466,9 +452,8 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
                          + (f": {describe_kernels(kernels)}" if any(kernels.values()) else ""))
     # A kernel swap that moved no component's time by much still shows, once, in the step's fingerprint.
     named = {n for label in moved for r in (old, new) for n in r["kernels"].get(label, {})}
-    step_old, step_new = ({n: k for n, k in r.get("step_kernels", {}).items() if n not in named and profiled}
-                          for r in (old, new))
-    step_kernels = kernel_changes(step_old, step_new, math.inf) | {"changed": {}}
+    unnamed = [{n: k for n, k in r["step_kernels"].items() if n not in named} if profiled else {} for r in (old, new)]
+    step_kernels = kernel_changes(*unnamed, math.inf) | {"changed": {}}
     if step_kernels["appeared"] or step_kernels["disappeared"]:
         lines.append(f"  kernels of the whole step: {describe_kernels(step_kernels)}")
     if abs(new["peak_mem_gib"] - old["peak_mem_gib"]) > tolerance * old["peak_mem_gib"]:
@@ -481,29 +466,22 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
 
 
 # The numbers, beside the speed: a new torch, CUDA or kernel can also compute differently. The first training steps
-# from the seeded initialisation on the fixed synthetic batch are deterministic up to rounding, so --save records them
-# and --compare names the first step and layer that moved.
+# from the seeded initialisation on the fixed batch are deterministic up to rounding: --save records them.
 
 NUMERICS_STEPS = 3
 NUMERICS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative: far above fp32 rounding; bf16 keeps 8 bits
-EXIT_CODES = {(0, False): 0, (1, False): 1, (0, True): 3, (1, True): 4}  # (speed verdict, numbers moved): exit code
 
 
 def layer_weights(model) -> dict:
-    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head): the whole model's,
-    the same on every rank (a sharded weight's DTensor sums are reduced over its mesh)."""
-    sums = {}
+    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head), the same on every
+    rank (a sharded weight's partial sums are reduced over its mesh)."""
+    sums = defaultdict(lambda: [0.0, 0.0])
     for name, p in model.named_parameters():
         parts = name.split(".")
         layer = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
         w = p.detach().double()
-        total = w.sum()
-        squares = w.square().sum()
-        if isinstance(w, DTensor):  # each rank's partial sum: the whole one on every rank
-            total = total.full_tensor()
-            squares = squares.full_tensor()
-        before = sums.get(layer, [0.0, 0.0])
-        sums[layer] = [before[0] + total.item(), before[1] + squares.item()]
+        for i, total in enumerate((w.sum(), w.square().sum())):
+            sums[layer][i] += (total.full_tensor() if isinstance(total, DTensor) else total).item()
     return {layer: [total, math.sqrt(squares)] for layer, (total, squares) in sums.items()}
 
 
@@ -556,19 +534,16 @@ def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
         when = f"step {i} of {len(new['steps'])}" if i else "the initial weights"
         return verdict | {"lines": [f"numerics MOVED beyond {tolerance:.0e} (relative) at {when}: "
                                     f"{'; '.join(scalars + [where])}: exit 3"]}
-    return verdict | {"lines": [f"numerics: the initial weights and the first {len(new['steps'])} steps match the "
-                                f"baseline's within {tolerance:.0e} (relative): loss, gradient norm, every layer's "
-                                f"weights"]}
+    matched = f"the initial weights and the first {len(new['steps'])} steps match the baseline's within {tolerance:.0e}"
+    return verdict | {"lines": [f"numerics: {matched} (relative): loss, gradient norm, every layer's weights"]}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# bench.py moe: one MoE layer, three ways
+# --- bench.py moe: one MoE layer, three ways
 
 def init_(module: nn.Module, std: float) -> nn.Module:
-    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does."""
-    with torch.no_grad():
-        for p in module.parameters():
-            nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does (nn.init draws without autograd)."""
+    for p in module.parameters():
+        nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
     return module
 
 
@@ -597,13 +572,11 @@ def moe_report(result: dict, times: dict, flops: float, world: int):
             f"{done / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
     say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
     if "loop" in times:
-        result.update(loop_to_dense=result["loop_ms"] / dense_ms_per_active,
-                      grouped_vs_loop_max_diff=result.pop("grouped_vs_loop_max_diff"))
+        result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
         say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
             f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
     if "ep" in times:
         result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        result["ep_vs_local_max_diff"] = max_over_ranks(result.pop("ep_vs_local_max_diff"))
         say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
             f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
             f"{result['ep_vs_local_max_diff']:.1e})")
@@ -653,26 +626,27 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             return fwd_bwd(layers[impl], x_BTD, dy_BTD, autocast)
         return run
 
+    def outputs(impl) -> list:  # the output, the input's gradient and the experts' weight gradients
+        return [*variant(impl)(), *(p.grad.clone() for p in moe.experts.parameters())]
+
     result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
               "active_hidden": active_hidden, "dense_hidden": dense_hidden}
-    y_g, dx_g = variant("grouped")()
-    if args.loop:  # grouped == loop on the same tokens: outputs, input gradients and expert weight gradients
-        grads_g = [p.grad.clone() for p in moe.experts.parameters()]
-        y_l, dx_l = variant("loop")()
-        grads_l = [p.grad.clone() for p in moe.experts.parameters()]
-        diff = max((a - b).abs().max().item() for a, b in [(y_g, y_l), (dx_g, dx_l), *zip(grads_g, grads_l)])
-        result["grouped_vs_loop_max_diff"] = diff / max(t.abs().max().item() for t in [y_l, dx_l, *grads_l])
+    grouped = outputs("grouped")
+    if args.loop:  # grouped == loop on the same tokens
+        loop = outputs("loop")
+        diff = max((a - b).abs().max().item() for a, b in zip(grouped, loop))
+        result["grouped_vs_loop_max_diff"] = diff / max(t.abs().max().item() for t in loop)
     else:
         del layers["loop"]
     if world > 1:  # expert parallel over all ranks, on the same weights and this rank's tokens
         layout = parallel.Layout(world, 1, world)
         layout.check(cfg, world, 1)
-        layers["ep"] = MoE(cfg).to(device)
-        layers["ep"].load_state_dict(moe.state_dict())
-        layers["ep"].experts = parallel.ExpertParallelExperts(layers["ep"].experts,
-                                                              parallel.build_mesh(layout, device.type)["ep"])
-        layers["ep"].experts.impl = "grouped"
-        result["ep_vs_local_max_diff"] = (variant("ep")()[0] - y_g).abs().max().item()
+        ep_moe = MoE(cfg).to(device)
+        ep_moe.load_state_dict(moe.state_dict())
+        ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
+        ep_moe.experts.impl = "grouped"
+        layers["ep"] = ep_moe
+        result["ep_vs_local_max_diff"] = max_over_ranks((variant("ep")()[0] - grouped[0]).abs().max().item())
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
     moe_report(result, times, 6 * N * D * 3 * active_hidden, world)  # fwd + bwd of the active matmuls
     if args.breakdown:
@@ -685,8 +659,7 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
+# --- bench.py vs-hf: our train step against transformers' AfmoeForCausalLM
 
 def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     import transformers
@@ -697,13 +670,12 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
     tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
     run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
+    tc = run.tc
     cfg = run.cfg
     autocast = run.autocast
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
-    hf_cfg = transformers.AfmoeConfig(**{k: v for k, v in cfg.to_hf().items()
-                                         if k not in ("model_type", "architectures")}, use_cache=False)
-    hf = transformers.AfmoeForCausalLM(hf_cfg).to(device).train()
+    hf = transformers.AfmoeForCausalLM(transformers.AfmoeConfig(**cfg.to_hf(), use_cache=False)).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
     opt_hf = parallel.build_optimizer(hf, tc)
@@ -726,7 +698,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
         for i in range(n_micro):
             rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
             with autocast:
-                logits_BTV = hf(input_ids=tokens_BT[rows], use_cache=False).logits
+                logits_BTV = hf(input_ids=tokens_BT[rows]).logits
                 loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT[rows].flatten())
             (loss / n_micro).backward()
             losses["hf"] += loss.item() / n_micro
@@ -739,27 +711,25 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     first_diff = abs(losses["ours"] - losses["hf"])
     times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters, flip=True)
     result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": hf_impl[0],
-              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len,
-              "ours_ms": statistics.median(times["ours"]), "hf_ms": statistics.median(times["hf"]),
-              "ours_ms_min": min(times["ours"]), "hf_ms_min": min(times["hf"]), "first_loss_diff": first_diff}
+              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len, "first_loss_diff": first_diff}
+    for name, shown in (("ours", "ours"), ("hf", "transformers")):
+        result[f"{name}_ms"] = statistics.median(times[name])
+        result[f"{name}_ms_min"] = min(times[name])
+        print(f"  {shown:12s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
     result["speedup"] = result["hf_ms"] / result["ours_ms"]
     # Each iteration times the two steps back to back, so their ratio shares whatever else the machine was doing.
     result["speedup_paired"] = statistics.median(hf / ours for hf, ours in zip(times["hf"], times["ours"]))
-    print(f"  ours        median {result['ours_ms']:9.1f} ms (min {result['ours_ms_min']:.1f})")
-    print(f"  transformers median {result['hf_ms']:9.1f} ms (min {result['hf_ms_min']:.1f})")
     print(f"speedup (transformers / ours): {result['speedup']:.2f}x on the medians, {result['speedup_paired']:.2f}x "
           f"the median of the {len(times['hf'])} back-to-back pairs; first-step LM losses agree to {first_diff:.1e}")
     return result
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# ------------------------------------------------------------------------------------------------------------------
-# bench.py data: data.py's prepare against its tokenizer library's own batch encoder
+# --- bench.py data: data.py's prepare against its tokenizer library's own batch encoder
 
 def bench_data(args) -> dict:
     """Tokens/s of data.prepare on standard-library source written as JSONL against the tokenizer library's batch
-    encoder on the same documents already in memory, for each --workers. Per core is tokens per CPU-second of every
-    process and thread, which other work on the machine inflates far less than wall time."""
+    encoder on the same documents already in memory, for each --workers; per core, which other work on the machine
+    inflates far less than wall time."""
     import tempfile
 
     import data
@@ -798,51 +768,46 @@ def bench_data(args) -> dict:
                 else:
                     tokens = sum(map(len, enc.encode_ordinary_batch(docs, num_threads=workers)))
                 times[who] = tuple(map(min, times[who], (time.perf_counter() - wall, cpu_s() - cpu)))
-            prepare_wall, prepare_cpu = times["prepare"]
-            library_wall, library_cpu = times["library"]
-            rows.append({"workers": workers, "prepare_tokens_per_s": tokens / prepare_wall,
-                         "prepare_tokens_per_cpu_s": tokens / prepare_cpu, "library_tokens_per_s": tokens / library_wall,
-                         "library_tokens_per_cpu_s": tokens / library_cpu, "per_core_ratio": library_cpu / prepare_cpu})
+            row = {"workers": workers, "per_core_ratio": times["library"][1] / times["prepare"][1]}
+            for who, (best_wall, best_cpu) in times.items():
+                row |= {f"{who}_tokens_per_s": tokens / best_wall, f"{who}_tokens_per_cpu_s": tokens / best_cpu}
+            rows.append(row)
     print(f"data: {tokens:,} {enc.name.removesuffix('_offline')} tokens of standard-library source ({chars / 1e6:.1f} "
           f"MB, {len(docs):,} documents of up to {args.doc_chars} characters) on {os.cpu_count()} CPU cores; per "
           f"core: tokens per CPU-second of all processes and threads")
     print(f"{'workers':>7} | {'prepare tok/s':>13} | {'per core':>8} | {library + ' tok/s':>36} | {'per core':>8} | "
           f"per-core ratio")
     for r in rows:
-        print(f"{r['workers']:>7} | {r['prepare_tokens_per_s'] / 1e6:12.2f}M | {r['prepare_tokens_per_cpu_s'] / 1e6:7.2f}"
-              f"M | {r['library_tokens_per_s'] / 1e6:35.2f}M | {r['library_tokens_per_cpu_s'] / 1e6:7.2f}M | "
-              f"{r['per_core_ratio']:.3f}")
+        print(f"{r['workers']:>7} | {r['prepare_tokens_per_s'] / 1e6:12.2f}M | "
+              f"{r['prepare_tokens_per_cpu_s'] / 1e6:7.2f}M | {r['library_tokens_per_s'] / 1e6:35.2f}M | "
+              f"{r['library_tokens_per_cpu_s'] / 1e6:7.2f}M | {r['per_core_ratio']:.3f}")
     # the same text: prepare's tokens but for the end-of-text closing each document are the library's
     return {"command": "data", "tokenizer": args.tokenizer, "library": library, "tokens": tokens,
             "prepare_tokens": manifest["tokens"]["train"] - manifest["documents"]["train"], "rows": rows}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Command line
+# --- Command line
 
 def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser of a command's own flags, and the train.py flags it defaults to."""
-    description = {"step": "Time train.py's training step on synthetic tokens. Other commands: "
-                           + ", ".join(COMMANDS) + " (bench.py COMMAND --help).",
-                   "moe": COMMANDS["moe"] + ", forward + backward on one preset's shapes.",
-                   "vs-hf": COMMANDS["vs-hf"] + " (forward, backward, clipping, AdamW), timed alternately.",
-                   "data": COMMANDS["data"] + ", for 1 and 2 workers."}[command]
+    description = COMMANDS.get(command, f"Time train.py's training step on synthetic tokens. Other commands: "
+                                        f"{', '.join(COMMANDS)} (bench.py COMMAND --help).")
     parser = train._Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
                            allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
                                   "such as --dim=512, and the layout, batch and precision flags.")
     add = parser.add_argument
     switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
+    add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "data":
         add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a Hugging Face tokenizer folder")
         add("--workers", type=POSITIVE.parse(int), nargs="+", default=[1, 2], help="the worker counts to measure; the "
             "library's batch encoder runs on as many threads")
         add("--mb", type=above(0).parse(float), default=16, help="megabytes of text (the standard "
             "library's source, repeated as needed)")
-        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="the text is cut into documents of whole "
-            "paragraphs of up to this many characters, as data.py cuts plain text")
+        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="documents of whole paragraphs of up to this "
+            "many characters, as data.py cuts plain text")
         add("--repeat", type=POSITIVE.parse(int), default=3, help="runs of each, alternated; the best counts")
-        add("--json", action="store_true", help="print the result as one JSON object on the last line")
         return parser, []
     warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
     add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
@@ -851,20 +816,16 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
         "steadier ratios on a machine others are using")
     add("--clock", choices=CLOCKS, default="wall",
         help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
-    add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "step":
-        add("--save", default="", metavar="PATH",
-            help="write this run (times, components, kernel fingerprint, environment, the first steps' numbers) as a "
-                 "baseline")
-        add("--compare", default="", metavar="PATH", help="compare this run with a --save baseline of the same "
-            "flags; exit 1 when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, "
-            "4 both")
+        add("--save", default="", metavar="PATH", help="write this run (times, components, kernels, environment, "
+            "the first steps' numbers) as a baseline")
+        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1 "
+            "when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, 4 both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
         add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
             help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' loss, gradient norm or a "
-                 f"layer's weights (to their norm) past which the numbers moved, exit 3 (0: 1e-4 in fp32, 1e-2 in "
-                 f"bf16)")
+                 f"layer's weights (to their norm) past which the numbers moved (0: 1e-4 in fp32, 1e-2 in bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
@@ -900,21 +861,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if clock is not CLOCKS["wall"] and parallel.use_cuda():
             raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
-        if command == "data":
-            result = bench_data(args)
-        else:
-            run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}[command]
-            result = run(args, tc, overrides)
+        run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}
+        result = bench_data(args) if command == "data" else run[command](args, tc, overrides)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(threads)  # main() may run inside another program (the tests)
     code = result.pop("exit", 0)
-    if code and "reason" in result:
-        print(f"error: {result['reason']}", file=sys.stderr)
     if args.json:
-        parallel.say(json.dumps(result, default=float))
+        say(json.dumps(result, default=float))
     return code
 
 

@@ -10,10 +10,8 @@ imports it.
         --micro_batch=1 --ac=full --optimizer=muon --steps=168000   # the same run from flags
     python plan.py --config=large.toml --net_gbs=50 --tflops=450          # another network; a measured compute rate
     python plan.py --config=large.toml --mtbf_hours=4096 --storage_gbs=1  # more failures, slower storage
-    python plan.py --help
 
-`--json` prints the result as one JSON object on the last line. Exit 1: the plan does not fit the GPU; exit 2: a
-layout or value train.py would refuse.
+Exit 1: the plan does not fit the GPU; exit 2: a layout or value train.py would refuse.
 """
 
 import argparse
@@ -33,8 +31,7 @@ import parallel
 import train
 from model import POSITIVE, PRESETS, MoE, RMSNorm, Rule, above, at_least, head_chunks, meta_model
 
-# ------------------------------------------------------------------------------------------------------------------
-# GPUs, and the memory a layout needs
+# --- GPUs, and the memory a layout needs
 
 # Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
 # (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
@@ -55,7 +52,7 @@ ADAMW_BYTES = 28
 # Muon: momentum (read buf, grad; write buf), Nesterov (read grad, buf; write u), weight decay (read, write param),
 # the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
 MUON_BYTES = 44
-# The train.py flags a layout is made of (and --keep_gathered): the search varies them; its commands state them.
+# The train.py flags of a layout (with --keep_gathered): the search varies them and its commands state them.
 LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
 
 
@@ -70,7 +67,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     E = cfg.n_experts
     K = cfg.top_k
     I = cfg.expert_hidden
-    Is = cfg.expert_hidden * cfg.n_shared_experts
+    Is = I * cfg.n_shared_experts
     Hd = H * cfg.head_dim
     Gd = G * cfg.head_dim
     # Per token. Attention: its input, q/k/v/gate, fp32 q/k norm scales, normed q, k, v, the output and its fp32
@@ -128,8 +125,7 @@ def model_facts(cfg) -> dict:
         "muon_dense": shapes(p for g in muon.param_groups if g["muon"] for p in g["params"] if p.dim() == 2),
         "root": shapes(p for name, p in model.named_parameters() if not name.startswith("layers.")),
         "blocks": [shapes(p for name, p in b.named_parameters() if ".experts." not in f".{name}") for b in blocks],
-        "experts": [shapes((b.ffn.experts.gate_up_proj, b.ffn.experts.down_proj)) if isinstance(b.ffn, MoE) else ()
-                    for b in blocks],
+        "experts": [shapes(b.ffn.experts.parameters()) if isinstance(b.ffn, MoE) else () for b in blocks],
         # 6 FLOPs per weight a token touches: forward 2, backward 4
         "block_flops": [6 * sum(p.numel() * (share if ".experts." in f".{n}" else 1)
                                 for n, p in b.named_parameters() if id(p) not in norms) for b in blocks],
@@ -160,8 +156,7 @@ def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool
     return memory
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Links and collectives
+# --- Links and collectives
 
 @dataclasses.dataclass
 class Links:
@@ -182,8 +177,8 @@ class Links:
         """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
         node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
         k, m = group
-        s = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
-        return s + (nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency if m > 1 else 0)
+        in_node = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
+        return in_node + nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency
 
     def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
         """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
@@ -216,17 +211,18 @@ def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c
     # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
     pairs = tokens * cfg.top_k
     a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
-    comm = {"gather": [(AG, c * full, groups["dp_shard"])] + ([(AG, c * expert_full, groups["efsdp"])] if moe else []),
-            "reduce": [(RS, 4 * full, groups["dp_shard"])] + ([(RS, 4 * expert_full, groups["efsdp"])] if moe else []),
-            "all_reduce": [(AR, 4 * full // layout.dp_shard, groups["dp_replicate"])]
-                          + ([(AR, 4 * expert_full // layout.efsdp, groups["dp_replicate"])] if moe else []),
+    sharded = [(full, groups["dp_shard"], layout.dp_shard)]  # (elements, FSDP group, its size)
+    if moe:
+        sharded.append((expert_full, groups["efsdp"], layout.efsdp))
+    comm = {"gather": [(AG, c * n, group) for n, group, _ in sharded],
+            "reduce": [(RS, 4 * n, group) for n, group, _ in sharded],
+            "all_reduce": [(AR, 4 * n // size, groups["dp_replicate"]) for n, _, size in sharded],
             "a2a_fwd": [(A2A, b, groups["ep"]) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
             "a2a_bwd": [(A2A, b, groups["ep"]) for b in a2a]}
     return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The optimizer step
+# --- The optimizer step
 
 @functools.lru_cache(maxsize=None)
 def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
@@ -240,11 +236,10 @@ def ns_flops(shape: tuple, steps: int = parallel.NS_STEPS) -> int:
 
 @functools.lru_cache(maxsize=None)
 def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
-    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks (parallel.deal), one per rank a round:
-    (FLOPs per rank, the sum over rounds of the round's most, rounds)."""
+    """parallel.Muon's deal of row-sharded matrices (shapes) over S ranks, one per rank a round: (FLOPs per rank, the
+    sum over rounds of the round's most, rounds)."""
     owned = [[ns_flops(hidden[i]) for i in mine] for mine in parallel.deal([math.prod(s) for s in hidden], S)]
-    rounds = max(map(len, owned))
-    return [sum(o) for o in owned], sum(max(o[j] if j < len(o) else 0 for o in owned) for j in range(rounds)), rounds
+    return [sum(o) for o in owned], sum(map(max, itertools.zip_longest(*owned, fillvalue=0))), max(map(len, owned))
 
 
 def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
@@ -267,14 +262,12 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
             "elements": shard(hidden, S) + sum(shard(u, Fs) for u in experts)}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The plan of one layout
+# --- The plan of one layout
 
-def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None, detail: bool = True) -> dict:
+def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
     optimizer's work and a checkpoint's bytes for training `cfg` as train.py does with `tc` on `world` ranks: dense
-    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32.
-    detail=False: the memory only."""
+    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32."""
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
@@ -283,10 +276,10 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     S = layout.dp_shard
     Fs = layout.efsdp
     experts = [tuple((cfg.n_experts // layout.ep, *s[1:]) for s in unit) for unit in facts["experts"]]
-    params = shard(facts["root"], S) + sum(shard(u, S) for u in facts["blocks"]) + sum(shard(u, Fs) for u in experts)
     # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
     full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
             "experts": [Fs * shard(u, Fs) for u in experts]}
+    params = (full["root"] + sum(full["blocks"])) // S + sum(full["experts"]) // Fs
     groups = {"dp_shard": links.span(1, S), "efsdp": links.span(layout.ep, Fs),
               "dp_replicate": links.span(S, layout.dp_replicate), "ep": links.span(1, layout.ep)}
     muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) \
@@ -296,13 +289,11 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
     checkpointed = sum(v for k, v in memory.items() if k.startswith(("parameters", "optimizer")))
     acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep)
     memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
-    if not detail:
-        return {"memory_bytes": memory, "memory_total_bytes": sum(memory.values())}
-    p = {"world": world, "dp_replicate": layout.dp_replicate, "dp_shard": S, "efsdp": Fs, "ep": layout.ep,
+    p = {"world": world, "layout": layout, "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac,
          "accumulation_steps": layout.accumulation_steps(tc.global_batch, tc.micro_batch),
-         "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac, "keep_gathered": tc.keep_gathered,
-         "params_total": facts["params"]["total"], "params_active": facts["params"]["active"],
-         "params_per_gpu": params, "memory_bytes": memory, "memory_total_bytes": sum(memory.values()),
+         "keep_gathered": tc.keep_gathered, "params_total": facts["params"]["total"],
+         "params_active": facts["params"]["active"], "params_per_gpu": params, "memory_bytes": memory,
+         "memory_total_bytes": sum(memory.values()),
          "activations_by_ac": {mode: acts[mode]["peak"] for mode in parallel.AC_MODES}, "groups": groups,
          # DCP writes each replicated shard once, the writes spread over the replicas; a restart reads it whole
          "checkpoint": {"write_bytes": checkpointed / layout.dp_replicate, "read_bytes": checkpointed}}
@@ -312,7 +303,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None,
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
     """Plan `p`'s FLOPs per token by unit, its collectives by unit and their bytes per optimizer step, and the
     optimizer step's work."""
-    layout = parallel.Layout(p["world"], p["dp_replicate"], p["ep"])
+    layout = p["layout"]
     accum = p["accumulation_steps"]
     tokens = p["micro_batch"] * p["seq"]
     root = (full["root"], 0)
@@ -348,12 +339,11 @@ def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon:
             "optimizer": {"name": "muon" if muon else "adamw", **step}}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Time: one GPU's step on a timeline of compute and links
+# --- Time: one GPU's step on a timeline of compute and links
 
 class Timeline:
     """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
-    queue for every FSDP collective); `seconds` counts, by kind, the time compute waits for the links."""
+    queue for every FSDP collective)."""
 
     def __init__(self):
         self.compute_end = 0.0
@@ -384,7 +374,7 @@ class Timeline:
         return start
 
     def in_line(self, kind: str, seconds: float):
-        """Work on the compute stream, if any; an all-to-all there (experts wait for their tokens) is link time too."""
+        """Work on the compute stream, if any; an all-to-all there is link time too."""
         if seconds:
             self.compute(seconds, kind=kind)
             if kind in (A2A, MUON_A2A):
@@ -416,7 +406,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
                 ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
             tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
         tl.comm(RS, u["reduce_s"], tl.compute_end)
-        if last and p["dp_replicate"] > 1:
+        if last and p["layout"].dp_replicate > 1:
             tl.comm(AR, u["all_reduce_s"], tl.compute_end)
 
 
@@ -457,8 +447,7 @@ def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
             "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The fastest layouts that fit, as train.py commands
+# --- The fastest layouts that fit, as train.py commands
 
 def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops_s: float, top: int = 5):
     """The `top` fastest layouts of `tc` on `world` GPUs that fit, each (TrainConfig, plan, projection): replicas,
@@ -474,9 +463,8 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
             tried += 1
             candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
                                             keep_gathered=keep)
-            if estimate(cfg, candidate, world, links, detail=False)["memory_total_bytes"] <= \
-                    FIT_FRACTION * mem_gib * 2**30:
-                p = estimate(cfg, candidate, world, links)
+            p = estimate(cfg, candidate, world, links)
+            if p["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
                 found.append((candidate, p, project(p, flops_s, peak, tc.steps)))
     found.sort(key=lambda f: (f[2]["step_s"], f[1]["memory_total_bytes"]))
     return found[:top], tried, len(found)
@@ -488,14 +476,14 @@ def flag(name: str, value) -> str:
 
 
 def layout_flags(tc: train.TrainConfig) -> str:
-    return " ".join(flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS) + (" --keep_gathered=true"
-                                                                                if tc.keep_gathered else "")
+    names = LAYOUT_FLAGS + (("keep_gathered",) if tc.keep_gathered else ())
+    return " ".join(flag(name, getattr(tc, name)) for name in names)
 
 
 def train_command(tc: train.TrainConfig, overrides: dict, config: str, world: int) -> str:
     """The train.py command line that trains `tc` with `overrides` on `world` ranks: the config file, the layout, then
     every other value that differs from what the file (or, without one, train.py's defaults) gives."""
-    base = [f"--config={config}"] if config else []
+    base = [flag("config", config)] if config else []
     base_tc, base_overrides = train_args(base, world)
     flags = base + [flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS]
     flags += [flag(f.name, getattr(tc, f.name)) for f in dataclasses.fields(tc)
@@ -513,8 +501,7 @@ def why_slower(t: dict, best: dict) -> str:
     return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Failures: the time they cost, and the checkpoint interval that loses least
+# --- Failures: the time they cost, and the checkpoint interval that loses least
 
 def lost_fraction(interval_s: float, checkpoint_s: float, down_s: float, mtbf_s: float) -> float:
     """The expected fraction of wall time lost, to first order in (interval, downtime) / MTBF: one checkpoint's cost
@@ -537,10 +524,8 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
     best_s = math.sqrt(2 * write_s * mtbf_s)
     periods = [s for s in (tc.ckpt_every * step_s, tc.ckpt_minutes * 60) if s > 0]
     configured_s = min(periods) if periods else math.inf  # no periodic checkpoint: a failure loses the whole run
-    goodput = {}
-    for name, interval in (("best", best_s), ("configured", configured_s)):
-        goodput[name] = {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s))
-                         for way, down in down_s.items()}
+    goodput = {name: {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s)) for way, down in down_s.items()}
+               for name, interval in (("best", best_s), ("configured", configured_s))}
     return {"mtbf_hours_per_gpu": args.mtbf_hours, "mtbf_hours_job": mtbf_s / 3600,
             "checkpoint_write_bytes": p["checkpoint"]["write_bytes"], "checkpoint_write_s": write_s,
             "checkpoint_read_bytes": p["checkpoint"]["read_bytes"], "checkpoint_read_s": read_s, "timeout_s": timeout_s,
@@ -548,11 +533,9 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
             "configured_interval_s": configured_s, "goodput": goodput}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The report
+# --- The report
 
 def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
-    """The plan's report: layout, parameters, memory, FLOPs, links, traffic, the step's time and the run's days."""
     peak, mem_gib = GPUS[r["gpu"]][:2]
     print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
           f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
@@ -560,7 +543,8 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
           f"optimizer={r['optimizer']}")
     print(layout)
     print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
-          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['dp_shard']}, replicated {p['dp_replicate']}x)")
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['layout'].dp_shard}, replicated "
+          f"{p['layout'].dp_replicate}x)")
     print("memory per GPU:")
     for k, v in r["memory_gib"].items():
         print(f"  {k:48s} {v:9.2f} GiB")
@@ -598,7 +582,6 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
 
 
 def print_failures(f: dict, t: dict, args):
-    """What failures cost: the job's MTBF, the checkpoint's write and read, the downtime, the interval, goodput."""
     gib = 2**30
     hours = f["mtbf_hours_job"]
     print(f"failures: one every {hours:.3g} h on {args.gpus} GPUs ({f['mtbf_hours_per_gpu']:,.0f} GPU-hours each); a "
@@ -622,7 +605,6 @@ def print_failures(f: dict, t: dict, args):
 
 
 def print_search(best: list, tried: int, fit: int, t: dict, command: str, tc: train.TrainConfig, world: int):
-    """The fastest layouts, why each is slower than the first, and the train.py command of the first."""
     print(f"fastest layouts that fit ({fit} of {tried} fit; global batch {tc.global_batch} x {tc.seq_len} kept):"
           + ("" if best else " none; use more GPUs or a smaller model"))
     fastest = best[0][2] if best else None
@@ -660,11 +642,10 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     t = project(p, tflops * 1e12, peak, tc.steps)
     total_gib = p["memory_total_bytes"] / 2**30
     budget = FIT_FRACTION * mem_gib
-    result.update(params_per_gpu=p["params_per_gpu"], memory_gib_per_gpu=total_gib,
-                  memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
+    result |= {k: p[k] for k in ("params_total", "params_active", "params_per_gpu", "flops_per_token",
+                                 "accumulation_steps")}
+    result.update(memory_gib_per_gpu=total_gib, memory_gib={k: v / 2**30 for k, v in p["memory_bytes"].items()},
                   activations_gib_by_ac={k: v / 2**30 for k, v in p["activations_by_ac"].items()},
-                  flops_per_token=p["flops_per_token"], params_total=p["params_total"],
-                  params_active=p["params_active"], accumulation_steps=p["accumulation_steps"],
                   traffic_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["traffic_bytes_per_step"].items()},
                   network_gb_per_step_per_gpu={k: v / 1e9 for k, v in p["network_bytes_per_step"].items()},
                   step_seconds=t["step_s"], seconds_per_step=t["seconds"], link_seconds_per_step=t["link_s"],
@@ -674,8 +655,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     result["optimizer_step"] = {"seconds": t["optimizer_s"], "hbm_bytes_per_gpu": o["hbm_bytes"]} | (
         {"muon_flops_per_gpu": o["flops"], "muon_flops_mean": o["flops_mean"],
          "muon_all_to_all_bytes_per_gpu": o["a2a_bytes"][0]} if tc.optimizer == "muon" else {})
-    print_plan(result, p, t, links, parallel.Layout.following(args.gpus, tc.dp_replicate, tc.dp_shard, tc.ep).describe(cfg.n_experts),
-               rate_from)
+    print_plan(result, p, t, links, p["layout"].describe(cfg.n_experts), rate_from)
     print_failures(result["failures"], t, args)
     if args.search:
         best, tried, fit = search(cfg, tc, args.gpus, args.gpu, links, tflops * 1e12)
@@ -693,41 +673,42 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Command line: plan.py's own flags, then train.py's
+# --- Command line: plan.py's own flags, then train.py's
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           epilog="Also takes every train.py flag and --config file (python train.py --help), read as "
-                                  "train.py reads them: --preset, model overrides such as --dim=512, --seq_len, "
-                                  "--global_batch, --micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), "
-                                  "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
+                           epilog="Also takes every train.py flag (python train.py --help), read as train.py reads "
+                                  "them: --preset, model overrides such as --dim=512, --seq_len, --global_batch, "
+                                  "--micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), --ac, "
+                                  "--optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
+    add("--config", default="", help="the run's config file, read as train.py reads it")
     add("--gpus", type=at_least(0).parse(int), default=0, help="world size (0: the --config file's world_size, else 1)")
     add("--gpu", choices=GPUS, default="b300",
         help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
     add("--tokens", type=at_least(0).parse(float), default=0,
         help="training token budget: sets --steps to the steps that reach it (0: train.py's --steps)")
     add("--mfu", type=Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1").parse(float), default=0.4,
-        help="the GPU's compute rate while it computes, as a fraction of its bf16 peak (communication is added by the "
-             "time model)")
+        help="the GPU's compute rate while it computes, a fraction of its bf16 peak (the time model adds "
+             "communication)")
     add("--tflops", type=at_least(0).parse(float), default=0,
         help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
              "of the peak)")
     add("--gpus_per_node", type=POSITIVE.parse(int), default=8, help="GPUs joined by NVLink")
-    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU kind's)")
-    add("--net_gbs", type=at_least(0).parse(float), default=0, help="network GB/s per GPU each way between nodes (0: the "
-        "GPU kind's default, h100/h200/b200 50, b300 100)")
+    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU "
+        "kind's)")
+    add("--net_gbs", type=at_least(0).parse(float), default=0,
+        help="network GB/s per GPU each way between nodes (0: the GPU kind's)")
     add("--latency_us", type=at_least(0).parse(float), default=5.0, help="microseconds per step of a collective")
-    add("--hbm_gbs", type=at_least(0).parse(float), default=0, help="GPU memory GB/s, for the optimizer's elementwise "
-        "passes (0: the GPU kind's, h100 3350, h200 4800, b200/b300 8000)")
+    add("--hbm_gbs", type=at_least(0).parse(float), default=0,
+        help="GPU memory GB/s, for the optimizer's elementwise passes (0: the GPU kind's)")
     add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
         help="mean hours between failures of one GPU (with its share of host, network and software): 8192 is one "
              "failure every 4 hours on 2,048 GPUs, as the run modelled here saw")
     add("--repair_minutes", type=at_least(0).parse(float), default=30.0,
         help="minutes from a failure to the relaunch when a person restarts the job: the no-step alert, someone on "
-             "call drains the node, swaps in a spare and relaunches (nights and weekends take longer)")
+             "call drains the node, swaps in a spare and relaunches")
     add("--restart_minutes", type=at_least(0).parse(float), default=5.0,
         help="minutes a restart takes besides reading the checkpoint: processes, rendezvous, NCCL set-up, "
              "torch.compile (the time from launch to the first step in a run's log)")
@@ -744,10 +725,7 @@ def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
     """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: global_batch over
     the ranks the layout uses)."""
     tc, overrides = train.parse_args(argv)
-    try:
-        layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
-    except ValueError as e:
-        raise SystemExit(f"plan.py: error: {e}") from None
+    layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     return train.with_batch_defaults(tc, layout.world), overrides
 
 
@@ -760,17 +738,15 @@ def recorded_world_size(path: str) -> int:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, train.TrainConfig, dict]:
-    """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus and args.config resolved."""
+    """(plan.py's flags, TrainConfig, model overrides) from the command line; args.gpus resolved."""
     parser = plan_parser()
     args, rest = train.parse_tool_args(parser, argv)
-    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    peek.add_argument("--config", default="")
-    args.config = peek.parse_known_args(rest)[0].config
+    config = [flag("config", args.config)] if args.config else []
     try:
         args.gpus = args.gpus or (recorded_world_size(args.config) if args.config else 0) or 1
+        tc, overrides = train_args(config + rest, args.gpus)
     except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    tc, overrides = train_args(rest, args.gpus)
+        parser.error(str(e))
     if args.tokens:
         tc = dataclasses.replace(tc, steps=math.ceil(args.tokens / (tc.global_batch * tc.seq_len)))
     return args, tc, overrides

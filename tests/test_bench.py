@@ -67,6 +67,14 @@ def test_training_step_report(capsys):
     assert components["output head, cross-entropy"]["bwd"] > 0  # the fused function's backward found its forward
 
 
+def test_training_step_without_micro_batch_takes_the_rank_s_whole_share(capsys):
+    """No --micro_batch: as in train.py, each rank's share of the global batch in one forward."""
+    code, out = run_json(capsys, ["--preset=tiny", *TINY_MODEL_FLAGS, "--vocab_size=512", "--seq_len=32",
+                                  "--global_batch=4", "--warmup=0", "--iters=1", "--threads=1", "--breakdown=false",
+                                  "--json"])
+    assert code == 0 and out["config"]["micro_batch"] == 4
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The command line
 

@@ -91,6 +91,15 @@ def test_plan_rejects_layouts_with_the_reason(capsys, flags, code, reason):
     assert got == code and report["fits"] is False and reason in report["reason"]
 
 
+def test_ranks_standing_by_change_nothing_in_the_plan():
+    """--dp_replicate=auto on 10 GPUs with --dp_shard=4 trains on 8 of them and 2 stand by: the plan of those 8."""
+    tc = run_config(global_batch=16, micro_batch=1, dp_shard=4, ep=2)
+    auto = plan.estimate(CFG, dataclasses.replace(tc, dp_replicate=0), 10)
+    used = plan.estimate(CFG, dataclasses.replace(tc, dp_replicate=2), 8)
+    for key in ("memory_bytes", "traffic_bytes_per_step", "network_bytes_per_step", "checkpoint", "optimizer"):
+        assert auto[key] == used[key], key
+
+
 def measured_bytes(model, optimizer, tc, batch) -> dict:
     """One train.train_step; the bytes of this rank's parameter shards, of its gradients (read in the optimizer's
     pre-hook, where they all exist) and of its AdamW state after the step."""
@@ -371,11 +380,12 @@ def test_the_fastest_layout_s_command_trains_what_was_planned(capsys, tmp_path, 
     (["--learning_rate=1"], "unknown flag --learning_rate; did you mean --lr?"),
     (["--grad_sync=last"], "unknown flag --grad_sync"),
     (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
+    (["--gpus=8", "--dp_replicate=2", "--dp_shard=3"], "--dp_replicate=2 x --dp_shard=3 is 6 ranks but 8 were launched"),
 ])
 def test_mistyped_or_out_of_range_flags_are_one_sentence(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         plan.main(argv)
-    assert message in str(e.value) + capsys.readouterr().err
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------------------
