@@ -170,9 +170,12 @@ def tokenizer_name(name: str) -> str:
 
 
 def same_tokenizer(a: str, b: str) -> bool:
-    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or else the same
-    vocabulary (a Hugging Face folder exported from a tiktoken encoding gives the same ids under another name)."""
-    return tokenizer_name(a) == tokenizer_name(b) or vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
+    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or else, for a folder,
+    the same vocabulary (a Hugging Face folder exported from a tiktoken encoding gives the same ids under another
+    name). Two tiktoken encodings of other names differ."""
+    if tokenizer_name(a) == tokenizer_name(b):
+        return True
+    return (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
 
 
 def check_vocabulary(manifest: dict, hf_dir: str) -> None:
