@@ -6,10 +6,10 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py stories.txt --doc_separator '<|endoftext|>' --val_fraction 0 --out_dir data/stories
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
-    python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ... of the inputs: one of many jobs
-    python data.py merge data/web                           # once all 1000 are done: check the parts, write manifest.json
+    python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ...: one job of many
+    python data.py merge data/web                           # once all 1000 are done: write manifest.json
     loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
-    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
+    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): resumable anywhere
     DataLoader("data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6")  # a mixture, its weights from step 120k
     DataLoader("megatron/web_text_document")  # a Megatron-LM dataset: web_text_document.bin and .idx
 
@@ -102,7 +102,7 @@ class HFTokenizer:
         except Exception as e:
             raise DataError(f"{path}/tokenizer.json could not be loaded ({type(e).__name__}: {e}); save the "
                             f"tokenizer again with tokenizer.save_pretrained") from None
-        self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
+        self.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, as in tiktoken
         self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
         _require(self.eot_token is not None, f"{path} names no end-of-text token that its vocabulary holds (its "
                  f"eos_token is {eos!r}); set eos_token in tokenizer_config.json to the token that ends a document")
@@ -110,20 +110,13 @@ class HFTokenizer:
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
         self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
 
-    def encode_ordinary(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
     def encode(self, text: str, allowed_special: str = "none") -> list[int]:
-        """tiktoken's encode as this project calls it: with allowed_special="all" (a prompt), a special token's text
-        ("<|endoftext|>") is that token; otherwise it is text."""
+        """tiktoken's encode: with allowed_special="all" (a prompt), "<|endoftext|>" is that token; otherwise text."""
         self.tokenizer.encode_special_tokens = allowed_special != "all"
         try:
-            return self.encode_ordinary(text)
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
         finally:
             self.tokenizer.encode_special_tokens = True
-
-    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -435,7 +428,7 @@ def _encode_batch(enc, batch: tuple[list[str], int]) -> tuple[list[np.ndarray], 
     texts = [text for text in texts if text]
     # ordinary encoding: a literal "<|endoftext|>" inside a document is text, so only we place separators
     if isinstance(enc, HFTokenizer):
-        docs = enc.encode_ordinary_batch(texts)
+        docs = [encoding.ids for encoding in enc.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     else:  # straight into an array: no list of Python ints to convert
         docs = [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
     eot = np.array([enc.eot_token], _token_dtype(enc.n_vocab))
@@ -554,6 +547,11 @@ class _ShuffleBuffer(_ShardWriter):
         return super().close()
 
 
+def _say(quiet: bool):
+    """print to stderr, flushed so a progress bar moves; nothing when quiet."""
+    return (lambda *args, **kwargs: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+
+
 def _finished_part(path: str, fingerprint: str) -> bool:
     """Whether path is the manifest of a part of this preparation whose shards are all in place, whole."""
     try:
@@ -567,6 +565,27 @@ def _finished_part(path: str, fingerprint: str) -> bool:
         return False
 
 
+def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
+    """What decides a preparation's bytes: the input files (paths, sizes, modification times), tokenizer and options."""
+    digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_shards(documents, p: int, val_fraction: float, shuffle_seed: int | None, *shard_args) -> dict:
+    """Part p's documents and splits: every (1/val_fraction)-th document held out (deterministic, spread out, at least
+    one unless 0), the others shuffled unless shuffle_seed is None, each split packed into shards."""
+    train = (_ShardWriter(f"train_{p:06d}", *shard_args) if shuffle_seed is None else
+             _ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[shuffle_seed, p]))
+    val = _ShardWriter(f"val_{p:06d}", *shard_args)
+    for n, doc in enumerate(documents):
+        (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
+    splits = {"train": train.close(), "val": val.close()}
+    return {"documents": {"train": train.documents, "val": val.documents}, "splits": splits}
+
+
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", doc_chars: int = DOC_CHARS, doc_separator: str | None = None,
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
@@ -575,7 +594,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir, part by part, then merges the parts and
     returns the manifest. With shard=(i, n) it prepares only parts i, i + n, i + 2n, ... and returns None; `merge`
     follows once all n are done. A part depends on the inputs and settings alone: both ways write the same bytes."""
-    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    say = _say(quiet)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
     _require(doc_chars >= 1, f"doc_chars={doc_chars} must be positive, e.g. {DOC_CHARS}")
@@ -592,11 +611,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                    text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator, part_bytes=part_bytes)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
-    digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
-    for path in files:
-        st = os.stat(path)
-        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    fingerprint = digest.hexdigest()[:16]
+    fingerprint = _fingerprint(files, where, options)
     if shard is None:
         with contextlib.suppress(DataError):
             if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
@@ -612,10 +627,10 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                         f"create and write to") from None
     parts = _parts(files, part_bytes)
     mine = range(shard[0], len(parts), shard[1]) if shard else range(len(parts))
+    hf_fields = {"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}
     common = {"version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
-              **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}),
-              "inputs": inputs, "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
+              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES, **hf_fields, "inputs": inputs,
+              "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
     started = time.time()
     workers = workers or os.cpu_count() or 1
     say(f"tokenizing {len(mine)} of the {len(parts)} parts of {len(files)} files "
@@ -634,16 +649,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(unfinished)
-            train = (_ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[seed, p]) if shuffle_docs else
-                     _ShardWriter(f"train_{p:06d}", *shard_args))
-            val = _ShardWriter(f"val_{p:06d}", *shard_args)
-            for n, doc in enumerate(_tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")):
-                # hold out every (1/val_fraction)-th document of the part: deterministic, spread out, >= 1 unless 0
-                (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
-            splits = {"train": train.close(), "val": val.close()}
-            documents = {"train": train.documents, "val": val.documents}
-            write_durably(path, json.dumps({"format": "nanotitan-part", **common, "part": p, "documents": documents,
-                                            "splits": splits}, indent=1))
+            documents = _tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")
+            written = _write_shards(documents, p, val_fraction, seed if shuffle_docs else None, *shard_args)
+            write_durably(path, json.dumps({"format": "nanotitan-part", **common, "part": p, **written}, indent=1))
     say(f"prepared {len(mine)} parts in {time.time() - started:.1f}s")
     if shard is not None:
         say(f"once all {shard[1]} --shard jobs are done: python data.py merge {out_dir}")
@@ -658,7 +666,7 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
     """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing:
     a part is the file named by its index, so none comes twice) and writes the manifest.json train.py reads, listing
     their shards in part order; shard files no part lists (an earlier preparation's) are removed."""
-    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    say = _say(quiet)
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
              f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
@@ -752,10 +760,18 @@ def load_manifest(data_dir: str) -> dict:
     return manifest
 
 
+def _megatron_arrays(index: str, sequences: int, document_starts: int) -> tuple[np.memmap, np.memmap, np.memmap]:
+    """A Megatron-LM .idx after its header, memory-mapped: each sequence's length (int32) and byte offset into the
+    .bin (int64), then the sequence each document starts at (int64, ending with the number of sequences)."""
+    lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
+    pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
+    starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
+    return lengths, pointers, starts
+
+
 def _megatron_manifest(prefix: str) -> dict:
     """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
-    name). Its .idx is a header, each sequence's length (int32) and byte offset into the .bin (int64), then the
-    sequence each document starts at (int64, ending with the number of sequences); it is checked, never read whole."""
+    name); its index is checked, never read whole."""
     index = prefix + ".idx"
     bin_path = prefix + ".bin"
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
@@ -772,9 +788,7 @@ def _megatron_manifest(prefix: str) -> dict:
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
              f"bytes, or {arrays + sequences} with modes) but the file has {size} bytes; {fix}")
-    lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
-    pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
-    starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
+    lengths, pointers, starts = _megatron_arrays(index, sequences, document_starts)
     _require(starts[0] == 0 and starts[-1] == sequences, f"{index} has documents from sequence {starts[0]} to "
              f"{starts[-1]}, expected 0 to its {sequences} sequences; {fix}")
     dtype = np.dtype(MEGATRON_DTYPES[code])
@@ -878,11 +892,9 @@ class _MegatronSource(_Source):
 
     def __init__(self, path: str, manifest: dict, *args):
         super().__init__(path, manifest, *args)
-        sequences = manifest["sequences"]
         self.itemsize = np.dtype(self.dtype).itemsize
-        self.pointers = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
-        self.first_sequence = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 12 * sequences,
-                                        (manifest["documents"] + 1,))
+        _, self.pointers, self.first_sequence = _megatron_arrays(path + ".idx", manifest["sequences"],
+                                                                 manifest["documents"] + 1)
 
     def _file(self, k: int) -> str:
         return self.path + ".bin"
