@@ -6,10 +6,10 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py stories.txt --doc_separator '<|endoftext|>' --val_fraction 0 --out_dir data/stories
     python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
-    python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ... of the inputs: one of many jobs
-    python data.py merge data/web                           # once all 1000 are done: check the parts, write manifest.json
+    python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ...: one job of many
+    python data.py merge data/web                           # once all 1000 are done: write manifest.json
     loader = DataLoader("data/stdlib", seq_len=1024, global_batch=64, rank=rank, world_size=world_size)  # train.py
-    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): any ranks resume any step
+    tokens_BT, targets_BT, doc_ids_BT = loader.batch(step)  # a pure function of (seed, step): resumable anywhere
     DataLoader("data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6")  # a mixture, its weights from step 120k
     DataLoader("megatron/web_text_document")  # a Megatron-LM dataset: web_text_document.bin and .idx
 
@@ -62,7 +62,7 @@ MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # 6, 7: floats
 MIX_PERIOD = 2**12  # a mixture's rounding repeats after this many steps
 MIX_STRIDE = 2531  # odd and near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
-PART_BYTES = 2**30  # the unit of work: each part of the inputs is tokenised, shuffled, held out and written alone
+PART_BYTES = 2**30  # the unit of work of preparing and of --shard
 SHARD_NAME = re.compile(r"(train|val)_\d{6}_\d{6}\.bin(\.tmp)?")  # split, part, shard
 PART_NAME = re.compile(r"part_(\d{6})\.json")
 # GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
@@ -102,7 +102,7 @@ class HFTokenizer:
         except Exception as e:
             raise DataError(f"{path}/tokenizer.json could not be loaded ({type(e).__name__}: {e}); save the "
                             f"tokenizer again with tokenizer.save_pretrained") from None
-        self.tokenizer.encode_special_tokens = True  # like encode_ordinary: "<|endoftext|>" inside a document is text
+        self.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, as in tiktoken
         self.eot_token = None if eos is None else self.tokenizer.token_to_id(eos)
         _require(self.eot_token is not None, f"{path} names no end-of-text token that its vocabulary holds (its "
                  f"eos_token is {eos!r}); set eos_token in tokenizer_config.json to the token that ends a document")
@@ -110,20 +110,13 @@ class HFTokenizer:
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
         self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
 
-    def encode_ordinary(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
     def encode(self, text: str, allowed_special: str = "none") -> list[int]:
-        """tiktoken's encode as this project calls it: with allowed_special="all" (a prompt), a special token's text
-        ("<|endoftext|>") is that token; otherwise it is text."""
+        """tiktoken's encode: with allowed_special="all" (a prompt), "<|endoftext|>" is that token; otherwise text."""
         self.tokenizer.encode_special_tokens = allowed_special != "all"
         try:
-            return self.encode_ordinary(text)
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
         finally:
             self.tokenizer.encode_special_tokens = True
-
-    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -164,8 +157,7 @@ def vocabulary(enc) -> dict[str, int]:
 
 
 def tokenizer_name(name: str) -> str:
-    """The name prepared data records of tokenizer `name`: a tiktoken encoding's, or a Hugging Face folder's short name
-    and the fingerprint of its tokenizer.json."""
+    """The name prepared data records of tokenizer `name`: a tiktoken encoding's, or a folder's HFTokenizer.name."""
     return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
 
 
@@ -259,7 +251,7 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
 def _paragraph_documents(f, max_chars: int):
     """A text file cut into documents of whole paragraphs (each with the blank lines after it), as many as fit in
     max_chars characters, read a line (of at most max_chars) at a time; a longer paragraph is cut at line ends.
-    Joined, the documents are the file's text: a file of at most max_chars is one document."""
+    Joined, they are the file's text."""
     lines = []  # the document so far
     size = 0  # its length
     start = 0  # where its last paragraph starts in it
@@ -281,8 +273,7 @@ def _paragraph_documents(f, max_chars: int):
 
 
 def _separated_documents(f, separator: str, max_chars: int):
-    """The pieces of a text file between occurrences of separator, read max_chars characters at a time; a piece longer
-    than max_chars is cut every max_chars characters, and a piece of only whitespace is no document."""
+    """The pieces of a text file between separators, read max_chars characters at a time, cut into _blocks."""
     rest = ""
     while chunk := f.read(max_chars):
         *pieces, rest = (rest + chunk).split(separator)
@@ -303,9 +294,8 @@ def _blocks(pieces: list[str], max_chars: int):
 
 
 def _parts(files: list[str], part_bytes: int) -> list[list[tuple[str, int, int]]]:
-    """The inputs laid end to end and cut every part_bytes bytes, the last part taking the remainder (so none is a
-    stub): each part a list of pieces (path, start, end), byte ranges of files. A function of the inputs alone, so any
-    process can prepare any part."""
+    """The inputs laid end to end and cut every part_bytes bytes, the last part taking the remainder: each part a
+    list of pieces (path, start, end), byte ranges of files; a function of the inputs alone."""
     sizes = [os.path.getsize(path) for path in files]
     parts = [[] for _ in range(max(1, sum(sizes) // part_bytes))]
     offset = 0  # where the file starts, the inputs laid end to end
@@ -339,8 +329,8 @@ class _Slice(io.RawIOBase):
 
 def _document_start(f, position: int, marker: bytes) -> int:
     """The first byte at or after `position` of the binary file f that starts a document: 0, or the byte after a
-    `marker` (the end of the file if none). A piece of the file reads from the start at its first byte to the start at
-    the first byte of the next, so neighbouring pieces share no document."""
+    `marker` (the end of the file if none). A piece reads from its first byte's start to the next piece's: neighbouring
+    pieces share no document."""
     if position == 0:
         return 0
     f.seek(max(0, position - len(marker)))
@@ -354,7 +344,7 @@ def _document_start(f, position: int, marker: bytes) -> int:
 
 
 def _line_number(path: str, position: int) -> int:
-    """The number of the line at byte `position` of a file, counted for an error message only."""
+    """The number of the line at byte `position` of a file, for an error message."""
     with open(path, "rb") as f:
         return 1 + sum(block.count(b"\n") for block in iter(lambda: f.read(min(1 << 20, position - f.tell())), b""))
 
@@ -414,9 +404,9 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
                 consumed = f.tell()
 
 
-def _text_batches(pieces: list[tuple[str, int, int]], read, max_chars: int = 1 << 20):
-    """Groups the documents read(path, start, end) yields into ~1 MB tasks, so handing them to a thread stays cheap
-    next to the tokenising."""
+def _text_batches(pieces: list[tuple[str, int, int]], read):
+    """The documents read(path, start, end) yields, in ~1 MB tasks: handing one to a thread is cheap next to its
+    tokenising."""
     texts = []
     nbytes = 0
     chars = 0
@@ -425,7 +415,7 @@ def _text_batches(pieces: list[tuple[str, int, int]], read, max_chars: int = 1 <
             texts.append(text)
             nbytes += consumed
             chars += len(text)
-            if chars >= max_chars:
+            if chars >= 1 << 20:
                 yield texts, nbytes
                 texts = []
                 nbytes = 0
@@ -438,7 +428,7 @@ def _encode_batch(enc, batch: tuple[list[str], int]) -> tuple[list[np.ndarray], 
     texts = [text for text in texts if text]
     # ordinary encoding: a literal "<|endoftext|>" inside a document is text, so only we place separators
     if isinstance(enc, HFTokenizer):
-        docs = enc.encode_ordinary_batch(texts)
+        docs = [encoding.ids for encoding in enc.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     else:  # straight into an array: no list of Python ints to convert
         docs = [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
     eot = np.array([enc.eot_token], _token_dtype(enc.n_vocab))
@@ -474,8 +464,8 @@ def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, wo
 
 
 def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
-    """Write a file that readers see whole or not at all (the old file until then), and that is on disk when this
-    returns: the one way every stage file writes what must survive a crash."""
+    """Write a file that readers see whole or not at all (the old file until then), on disk when this returns: how
+    every stage file writes what must survive a crash."""
     with open(path + ".tmp", "wb") as f:
         f.writelines(chunk.encode() if isinstance(chunk, str) else chunk for chunk in chunks)
         f.flush()
@@ -494,14 +484,9 @@ class _ShardWriter:
         self.vocab_size = vocab_size
         self.pending = collections.deque()
         self.pending_tokens = 0
-        self.documents = 0
         self.shards = []
 
     def add(self, doc: np.ndarray) -> None:
-        self.documents += 1
-        self._pack(doc)
-
-    def _pack(self, doc: np.ndarray) -> None:
         self.pending.append(doc)
         self.pending_tokens += len(doc)
         # write only once two shards' worth is pending, so the last shard is never a stub that caps seq_len
@@ -533,8 +518,8 @@ class _ShardWriter:
 
 
 class _ShuffleBuffer(_ShardWriter):
-    """The Trinity report's random sequential document buffer: documents enter in input order and leave in a seeded
-    random order, so a batch is not one source's neighbouring files; a part that fits is shuffled whole."""
+    """The Trinity report's random sequential document buffer: documents leave in a seeded random order, so a batch is
+    not one source's neighbouring files; a part that fits is shuffled whole."""
 
     def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
@@ -542,19 +527,24 @@ class _ShuffleBuffer(_ShardWriter):
         self.docs = []
         self.tokens = 0
 
-    def _pack(self, doc: np.ndarray) -> None:
+    def add(self, doc: np.ndarray) -> None:
         self.docs.append(doc)
         self.tokens += len(doc)
         while self.tokens > SHUFFLE_BUFFER_TOKENS:
             i = self.rng.integers(len(self.docs))
             self.docs[i], self.docs[-1] = self.docs[-1], self.docs[i]
             self.tokens -= len(self.docs[-1])
-            super()._pack(self.docs.pop())
+            super().add(self.docs.pop())
 
     def close(self) -> list[dict]:
         for i in self.rng.permutation(len(self.docs)):
-            super()._pack(self.docs[i])
+            super().add(self.docs[i])
         return super().close()
+
+
+def _say(quiet: bool):
+    """print to stderr, flushed so a progress bar moves; nothing when quiet."""
+    return (lambda *args, **kwargs: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
 
 
 def _finished_part(path: str, fingerprint: str) -> bool:
@@ -570,15 +560,38 @@ def _finished_part(path: str, fingerprint: str) -> bool:
         return False
 
 
+def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
+    """What decides a preparation's bytes: the input files (paths, sizes, modification times), tokenizer and options."""
+    digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
+    for path in files:
+        st = os.stat(path)
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_shards(documents, p: int, val_fraction: float, shuffle_seed: int | None, *shard_args) -> dict:
+    """Part p's documents and splits: every (1/val_fraction)-th document held out (deterministic, spread out, at least
+    one unless 0), the others shuffled unless shuffle_seed is None, each split packed into shards."""
+    train = (_ShardWriter(f"train_{p:06d}", *shard_args) if shuffle_seed is None else
+             _ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[shuffle_seed, p]))
+    writers = {"train": train, "val": _ShardWriter(f"val_{p:06d}", *shard_args)}
+    counts = dict.fromkeys(writers, 0)
+    for n, doc in enumerate(documents):
+        split = "val" if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else "train"
+        writers[split].add(doc)
+        counts[split] += 1
+    return {"documents": counts, "splits": {split: writer.close() for split, writer in writers.items()}}
+
+
 def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
             text_field: str = "text", doc_chars: int = DOC_CHARS, doc_separator: str | None = None,
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
             part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
             quiet: bool = False) -> dict | None:
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir, part by part, then merges the parts and
-    returns the manifest. With shard=(i, n) it prepares only parts i, i + n, i + 2n, ... and returns None; `merge`
-    follows once all n are done. A part depends on the inputs and settings alone: both ways write the same bytes."""
-    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    returns the manifest. With shard=(i, n) it prepares only parts i, i + n, ... and returns None; `merge` follows
+    once all n are done, writing the same bytes."""
+    say = _say(quiet)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
     _require(doc_chars >= 1, f"doc_chars={doc_chars} must be positive, e.g. {DOC_CHARS}")
@@ -595,11 +608,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                    text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator, part_bytes=part_bytes)
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
-    digest = hashlib.sha256(json.dumps([VERSION, where, options], sort_keys=True).encode())
-    for path in files:
-        st = os.stat(path)
-        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    fingerprint = digest.hexdigest()[:16]
+    fingerprint = _fingerprint(files, where, options)
     if shard is None:
         with contextlib.suppress(DataError):
             if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
@@ -615,10 +624,10 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
                         f"create and write to") from None
     parts = _parts(files, part_bytes)
     mine = range(shard[0], len(parts), shard[1]) if shard else range(len(parts))
+    hf_fields = {"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}
     common = {"version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES,
-              **({"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}),
-              "inputs": inputs, "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
+              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES, **hf_fields, "inputs": inputs,
+              "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
     started = time.time()
     workers = workers or os.cpu_count() or 1
     say(f"tokenizing {len(mine)} of the {len(parts)} parts of {len(files)} files "
@@ -637,16 +646,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(unfinished)
-            train = (_ShuffleBuffer(f"train_{p:06d}", *shard_args, seed=[seed, p]) if shuffle_docs else
-                     _ShardWriter(f"train_{p:06d}", *shard_args))
-            val = _ShardWriter(f"val_{p:06d}", *shard_args)
-            for n, doc in enumerate(_tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")):
-                # hold out every (1/val_fraction)-th document of the part: deterministic, spread out, >= 1 unless 0
-                (val if math.ceil((n + 1) * val_fraction) > math.ceil(n * val_fraction) else train).add(doc)
-            splits = {"train": train.close(), "val": val.close()}
-            documents = {"train": train.documents, "val": val.documents}
-            write_durably(path, json.dumps({"format": "nanotitan-part", **common, "part": p, "documents": documents,
-                                            "splits": splits}, indent=1))
+            documents = _tokenized_documents(parts[p], read, enc, pool, workers, say, f"part {p}")
+            written = _write_shards(documents, p, val_fraction, seed if shuffle_docs else None, *shard_args)
+            write_durably(path, json.dumps({"format": "nanotitan-part", **common, "part": p, **written}, indent=1))
     say(f"prepared {len(mine)} parts in {time.time() - started:.1f}s")
     if shard is not None:
         say(f"once all {shard[1]} --shard jobs are done: python data.py merge {out_dir}")
@@ -658,10 +660,10 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 
 
 def merge(out_dir: str, quiet: bool = False) -> dict:
-    """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing:
-    a part is the file named by its index, so none comes twice) and writes the manifest.json train.py reads, listing
-    their shards in part order; shard files no part lists (an earlier preparation's) are removed."""
-    say = (lambda *a, **k: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
+    """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing)
+    and writes the manifest.json train.py reads, listing their shards in part order; shard files no part lists (an
+    earlier preparation's) are removed."""
+    say = _say(quiet)
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
              f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
@@ -696,14 +698,14 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
     for name in os.listdir(out_dir):  # shards of an earlier preparation, or of a part since prepared again
         if SHARD_NAME.fullmatch(name) and name not in listed:
             os.remove(os.path.join(out_dir, name))
+    tokens = {split: sum(shard["tokens"] for shard in shards) for split, shards in splits.items()}
     per_part = ("format", "part", "documents", "splits")
     manifest = {"format": "nanotitan-tokens", **{k: v for k, v in parts[0].items() if k not in per_part},
-                "documents": documents, "tokens": {s: sum(sh["tokens"] for sh in shards) for s, shards in splits.items()},
-                "splits": splits}
+                "documents": documents, "tokens": tokens, "splits": splits}
     write_durably(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1))
-    say(f"wrote {manifest['tokens']['train']:,} train tokens ({len(splits['train'])} shards, {documents['train']} "
-        f"documents) and {manifest['tokens']['val']:,} val tokens ({len(splits['val'])} shards, {documents['val']} "
-        f"documents) of {len(parts)} parts to {out_dir}")
+    say(f"wrote {tokens['train']:,} train tokens ({len(splits['train'])} shards, {documents['train']} documents) and "
+        f"{tokens['val']:,} val tokens ({len(splits['val'])} shards, {documents['val']} documents) of {len(parts)} "
+        f"parts to {out_dir}")
     return manifest
 
 
@@ -755,10 +757,18 @@ def load_manifest(data_dir: str) -> dict:
     return manifest
 
 
+def _megatron_arrays(index: str, sequences: int, document_starts: int) -> tuple[np.memmap, np.memmap, np.memmap]:
+    """A Megatron-LM .idx after its header, memory-mapped: each sequence's length (int32) and byte offset into the
+    .bin (int64), then the sequence each document starts at (int64, ending with the number of sequences)."""
+    lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
+    pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
+    starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
+    return lengths, pointers, starts
+
+
 def _megatron_manifest(prefix: str) -> dict:
     """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
-    name). Its .idx is a header, each sequence's length (int32) and byte offset into the .bin (int64), then the
-    sequence each document starts at (int64, ending with the number of sequences); it is checked, never read whole."""
+    name); its index is checked, never read whole."""
     index = prefix + ".idx"
     bin_path = prefix + ".bin"
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
@@ -775,16 +785,14 @@ def _megatron_manifest(prefix: str) -> dict:
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
              f"bytes, or {arrays + sequences} with modes) but the file has {size} bytes; {fix}")
-    lengths = np.memmap(index, np.int32, "r", MEGATRON_HEADER.size, (sequences,))
-    pointers = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
-    starts = np.memmap(index, np.int64, "r", MEGATRON_HEADER.size + 12 * sequences, (document_starts,))
+    lengths, pointers, starts = _megatron_arrays(index, sequences, document_starts)
     _require(starts[0] == 0 and starts[-1] == sequences, f"{index} has documents from sequence {starts[0]} to "
              f"{starts[-1]}, expected 0 to its {sequences} sequences; {fix}")
     dtype = np.dtype(MEGATRON_DTYPES[code])
     tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
-    _require(os.path.getsize(bin_path) == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index "
-             f"promises {tokens} tokens ({tokens * dtype.itemsize} bytes) but the file has "
-             f"{os.path.getsize(bin_path)} bytes; {fix}")
+    bin_size = os.path.getsize(bin_path)
+    _require(bin_size == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index promises {tokens} "
+             f"tokens ({tokens * dtype.itemsize} bytes) but the file has {bin_size} bytes; {fix}")
     # the sizes and the index's first and last MiB: cheap for a terabyte dataset, and a copy keeps them
     with open(index, "rb") as f:
         head = f.read(2**20)
@@ -827,6 +835,11 @@ class _Source:
     offset = HEADER_BYTES  # where a shard's tokens start
 
     def __init__(self, path: str, manifest: dict, split: str, seq_len: int, seed: int, vocab_size: int | None):
+        max_token = max(shard.get("max_token", -1) for shards in manifest["splits"].values() for shard in shards)
+        _require(vocab_size is None or manifest.get("vocab_size", 0) <= vocab_size and max_token < vocab_size,
+                 f"{path} uses token ids up to {max_token} from the {manifest.get('tokenizer')} vocabulary of "
+                 f"{manifest.get('vocab_size')}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
+                 f"{manifest.get('vocab_size')} or prepare the data with a smaller tokenizer")
         self.path = path
         self.split = split
         self.seq_len = seq_len
@@ -881,11 +894,9 @@ class _MegatronSource(_Source):
 
     def __init__(self, path: str, manifest: dict, *args):
         super().__init__(path, manifest, *args)
-        sequences = manifest["sequences"]
         self.itemsize = np.dtype(self.dtype).itemsize
-        self.pointers = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 4 * sequences, (sequences,))
-        self.first_sequence = np.memmap(path + ".idx", np.int64, "r", MEGATRON_HEADER.size + 12 * sequences,
-                                        (manifest["documents"] + 1,))
+        _, self.pointers, self.first_sequence = _megatron_arrays(path + ".idx", manifest["sequences"],
+                                                                 manifest["documents"] + 1)
 
     def _file(self, k: int) -> str:
         return self.path + ".bin"
@@ -970,19 +981,12 @@ class DataLoader:
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
-        self.split = split
         self.seq_len = seq_len
         self.global_batch = global_batch  # a multiple of world_size (parallel.Layout.check)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.mixture = Mixture(data_spec, tokenizer)
-        for path, manifest in zip(self.mixture.paths, self.mixture.manifests):
-            max_token = max((shard.get("max_token", -1) for shards in manifest["splits"].values() for shard in shards))
-            _require(vocab_size is None or manifest.get("vocab_size", 0) <= vocab_size and max_token < vocab_size,
-                     f"{path} uses token ids up to {max_token} from the {manifest.get('tokenizer')} vocabulary of "
-                     f"{manifest.get('vocab_size')}, but the model's vocab_size is {vocab_size}; set vocab_size >= "
-                     f"{manifest.get('vocab_size')} or prepare the data with a smaller tokenizer")
         self.sources = [(_MegatronSource if manifest.get("format") == "megatron" else _Source)(
             path, manifest, split, seq_len, seed, vocab_size)
             for path, manifest in zip(self.mixture.paths, self.mixture.manifests)]
@@ -991,10 +995,8 @@ class DataLoader:
                  f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
                  f"{global_batch}; lower seq_len or global_batch, or prepare with a larger --val_fraction")
         self.starts = [start for start, _ in self.mixture.phases]
-        self.edges = []  # each phase's running sum of weights, from 0 to exactly 1
-        for _, weights_S in self.mixture.phases:
-            running = np.cumsum(np.concatenate([[0], weights_S]))
-            self.edges.append(running / running[-1])
+        running = [np.cumsum(np.concatenate([[0], weights_S])) for _, weights_S in self.mixture.phases]
+        self.edges = [sums / sums[-1] for sums in running]  # each phase's running sum of weights, 0 to exactly 1
         # A phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
         # (table[t]) give those before any step in O(1).
         self.tables = [np.concatenate([np.zeros((1, len(self.sources)), np.int64),
@@ -1068,37 +1070,34 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _parse_merge_args(argv: list[str]) -> argparse.Namespace:
-    p = Parser(prog="data.py merge", description="Check that OUT_DIR holds every part of one "
-                                "sharded preparation and write its manifest.json for train.py.", allow_abbrev=False)
+    p = Parser(prog="data.py merge", description="Check that OUT_DIR holds every part of one sharded preparation "
+               "and write its manifest.json for train.py.", allow_abbrev=False)
     p.add_argument("out_dir", help="the --out_dir of the `python data.py ... --shard=I/N` runs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(description="Tokenize a corpus into shards for train.py; `python data.py merge OUT_DIR` "
-                                "merges the parts that --shard runs prepared.", allow_abbrev=False)
+    p = Parser(description="Tokenize a corpus into shards for train.py; `python data.py merge OUT_DIR` merges the "
+               "parts that --shard runs prepared.", allow_abbrev=False)
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
-    p.add_argument("--encoding", "--tokenizer", default="cl100k_base",
-                   help="tiktoken encoding (cl100k_base works offline) or a Hugging Face tokenizer folder (holding "
-                   "tokenizer.json; its eos_token ends each document); train.py's --tokenizer names the same")
+    p.add_argument("--encoding", "--tokenizer", default="cl100k_base", help="tiktoken encoding (cl100k_base works "
+                   "offline) or a Hugging Face tokenizer folder, whose eos_token ends each document")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
-    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="plain-text files (all but .py, .jsonl, "
-                   ".parquet) are cut into documents of blank-line separated paragraphs, grouped up to this many "
-                   f"characters (default {DOC_CHARS}, ~8k tokens of English); a longer paragraph is cut at line ends")
-    p.add_argument("--doc_separator", default=None, help="cut plain-text files into documents at this string instead "
-                   "(dropped from the text), e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
-    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: no "
-                   "validation set; train.py then skips validation)")
+    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="most characters of a document of a plain-text "
+                   f"file (not .py, .jsonl, .parquet; default {DOC_CHARS}): its paragraphs grouped, a long one cut at "
+                   "line ends")
+    p.add_argument("--doc_separator", default=None, help="cut plain-text files into documents at this string instead, "
+                   "e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
+    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: none)")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     p.add_argument("--shuffle_docs", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle documents (seeded) before packing them into sequences")
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
-    p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="the inputs, laid end to end, are cut into "
-                   "parts of this many bytes (large files at a line or document start), each tokenised, shuffled, held "
-                   "out and written alone: the unit of work of --shard")
+    p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="bytes per part of the inputs, each prepared "
+                   "alone: the unit of work of --shard")
     p.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
                    "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
     p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all CPU cores)")
@@ -1107,12 +1106,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    merging = sys.argv[1:2] == ["merge"]
-    args = _parse_merge_args(sys.argv[2:]) if merging else _parse_args()
     try:
-        if merging:
-            merge(**vars(args))
+        if sys.argv[1:2] == ["merge"]:
+            merge(**vars(_parse_merge_args(sys.argv[2:])))
         else:
+            args = _parse_args()
             prepare(**vars(args) | {"inputs": args.inputs or None})
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ def loader_without(monkeypatch, *skipped: int):
     kept = [step for step in range(1000) if step not in skipped]
 
     def without(self, step):
-        return batch(self, kept[step] if self.split == "train" else step)
+        return batch(self, kept[step] if self.sources[0].split == "train" else step)
 
     monkeypatch.setattr(data.DataLoader, "batch", without)
 
