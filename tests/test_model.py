@@ -8,11 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_module
 import parallel
-from checkpoint import from_hf_state_dict, to_hf_state_dict
+from checkpoint import hf_config, load_hf_into, to_hf_state_dict
 from model import PRESETS, GroupedExperts, ModelConfig, RMSNorm, Transformer, make_mask, meta_model
 
 
@@ -40,16 +41,19 @@ def hf_model(cfg):
     return transformers.AfmoeForCausalLM(hf_cfg).eval()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is")  # DCP's single-process load (load_hf_into)
 @pytest.mark.parametrize("kw", [dict(), dict(n_shared_experts=2, n_kv_heads=4, n_dense_layers=2),
                                 dict(mup=False, n_layers=5, top_k=2)])
-def test_logits_match_transformers_from_hf(kw):
+def test_logits_match_transformers_from_hf(kw, tmp_path):
     cfg = small_cfg(**kw)
     g = torch.Generator().manual_seed(0)
     hf = hf_model(cfg)
     randomise_(hf, g)
-    ours = Transformer(ModelConfig.from_hf(hf.config.to_dict())).eval()
+    hf.config.to_json_file(tmp_path / "config.json")  # a folder in the in-memory layout: experts stacked
+    save_file(hf.state_dict(), str(tmp_path / "model.safetensors"))
+    ours = Transformer(hf_config(str(tmp_path))).eval()
     assert replace(ours.cfg, aux_loss_coef=0.0, z_loss_coef=0.0) == cfg  # training-only knobs are not in HF
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    load_hf_into(ours, str(tmp_path))
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=g)  # 40 > window 8: the window matters
     with torch.no_grad():
         diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
