@@ -50,11 +50,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor
 
 import data
 from model import POSITIVE, ModelConfig, Rule, at_least, config_fields, meta_model, refuse_unknown
-from parallel import rank_world
+from parallel import local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -178,7 +177,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader with .metadata read through _MetadataUnpickler; dcp.load is given it as storage_reader."""
+    """DCP's file reader, reading .metadata through _MetadataUnpickler."""
 
     def read_metadata(self) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -189,10 +188,10 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True):
-    """Check that complete checkpoint `path` is whole, or raise CorruptCheckpoint naming the first bad file: each file
-    there, each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
-    `contents`, every file has the sha256 it was written with (checkpoints written before checksums.json: not this).
-    Every rank calls it: rank r reads every world-th file, and all raise the same verdict before anything is loaded."""
+    """Raise CorruptCheckpoint naming the first bad file of complete checkpoint `path` unless each file is there,
+    each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
+    `contents`, every file has the sha256 it was written with. Every rank calls it, reads every world-th file and
+    raises the same verdict."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -446,8 +445,7 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
     # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
     texts = {"config.json": _json(_resolved_config(config), "config"),
              "state.json": _json({"step": step, "world_size": world, "train": train, "optim": optim_rest}, "train")}
-    needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for sd in tensors.values()
-                 for t in sd.values())
+    needed = sum(local(t).nbytes for sd in tensors.values() for t in sd.values())
     tmp = abandon(ckpt_root, step)  # what a killed save of this step left
     writer = _Writer(tmp)
     with _failing_cleanly(ckpt_root, step, needed):
@@ -487,7 +485,7 @@ def _check_config(path: str, saved_config: dict, config: dict):
     if current is not None and isinstance(saved, dict):
         # Fields that change neither the weights' shapes nor the function they compute may change on resume.
         free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in free]
+        names = [n for n in {**current, **saved} if n not in free]
         diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
                 for n in names if saved.get(n) != current.get(n)]
         if diff:
@@ -556,11 +554,10 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False) -> str:
-    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` or a root's newest, one shard in memory at a
+    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` (or a root's newest), one shard in memory at a
     time: config.json (with the end-of-text id and the checkpoint it came from), generation_config.json, safetensors
-    shards and an index, the tokenizer (by default the data's). The checkpoint is verified first; the folder is
-    written beside out_dir and moved there once complete. An out_dir holding files is refused unless `overwrite`, and
-    is then replaced only by a complete export. Returns the checkpoint used."""
+    shards and an index, the tokenizer (default: the data's). The folder is written beside out_dir and moved there
+    once complete; an out_dir holding files is refused unless `overwrite`. Returns the checkpoint used."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     _refuse_export_dir(out_dir, path, overwrite)
     verify(path)  # a damaged checkpoint is one sentence, before anything is written
@@ -581,13 +578,10 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
                          f"e.g. {', '.join(missing[:3])}.")
     nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
     shards = [[]]
-    size = 0
     for n in names:
-        if shards[-1] and size + nbytes[n] > max_shard_bytes:
+        if shards[-1] and sum(nbytes[m] for m in shards[-1]) + nbytes[n] > max_shard_bytes:
             shards.append([])
-            size = 0
         shards[-1].append(n)
-        size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
@@ -706,9 +700,7 @@ def sampling_model(path: str, device: torch.device):
     else:
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
-        with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
-            warnings.simplefilter("ignore")
-            load(path, {"model": model})
+        load(path, {"model": model})
         tokenizer = saved.get("train", {}).get("tokenizer")
     if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"

@@ -20,6 +20,7 @@ import difflib
 import math
 import warnings
 from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Callable
 
 import torch
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: ok(value, settings) and the words that say so ("at least 1"), which may name
-    other fields ("a multiple of n_kv_heads={n_kv_heads}"). A one_of rule's choices are listed by --help."""
+    """What a setting's value must be: ok(value, settings) and the words that say so, which may name other fields
+    ("a multiple of n_kv_heads={n_kv_heads}"); --help lists a one_of rule's choices."""
     ok: Callable
     words: str
     choices: tuple = ()
@@ -72,17 +73,17 @@ def option(default, help: str, rule: Rule | None = None, parse: Callable | None 
 def check(settings) -> None:
     """Raise ValueError, one sentence, naming every field of the dataclass `settings` whose value breaks its rule."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings)}
-    problems = [f"--{f.name}={values[f.name]!s} must be {f.metadata['rule'].words.format(**values)}"
-                for f in fields(settings) if f.metadata.get("rule") and not f.metadata["rule"].ok(values[f.name],
-                                                                                                   settings)]
+    rules = {f.name: f.metadata["rule"] for f in fields(settings) if f.metadata.get("rule")}
+    problems = [f"--{name}={values[name]!s} must be {rule.words.format(**values)}" for name, rule in rules.items()
+                if not rule.ok(values[name], settings)]
     if problems:
         raise ValueError("; ".join(problems) + ".")
 
 
 def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means, for "did you mean": the one `aliases` gives for it (another
-    program's name for the same thing), else the closest of `names` in spelling, or None when none is close. Names are
-    compared without leading dashes; the answer is spelled as in `names`."""
+    """The name a mistyped `word` most likely means ("did you mean"): `aliases`' name for it (another program's),
+    else the closest of `names` in spelling, else None. Leading dashes are ignored; the answer is spelled as in
+    `names`."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
     if aliases and key in aliases:
@@ -122,7 +123,7 @@ NON_NEGATIVE = at_least(0, "0 or more")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = option(100352, "embedding and head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
+    vocab_size: int = option(100352, "embedding/head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
     dim: int = option(128, "model width D", POSITIVE)
     n_layers: int = option(4, "transformer blocks", POSITIVE)
     n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
@@ -280,10 +281,9 @@ def apply_rope(x_BHTDh, cos_TDh, sin_TDh):
     return (x_BHTDh * cos_TDh + torch.cat([-x2, x1], dim=-1) * sin_TDh).to(x_BHTDh.dtype)
 
 
-def _warn_once(message: str, _seen=set()):
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, stacklevel=3)
+@cache
+def _warn_once(message: str):
+    warnings.warn(message, stacklevel=3)
 
 
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
@@ -310,16 +310,16 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
     return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
 
 
-_flex_attention = None  # compiled on first use
+@cache
+def compiled(function: Callable, **options) -> Callable:
+    """torch.compile(function, **options), compiled once, on first use."""
+    return torch.compile(function, **options)
 
 
 def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
-    global _flex_attention
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex BlockMask
-        if _flex_attention is None:
-            from torch.nn.attention.flex_attention import flex_attention
-            _flex_attention = torch.compile(flex_attention, dynamic=False)
-        return _flex_attention(q_BHTDh, k_BGTDh, v_BGTDh, block_mask=mask, enable_gqa=True)
+        from torch.nn.attention.flex_attention import flex_attention
+        return compiled(flex_attention, dynamic=False)(q_BHTDh, k_BGTDh, v_BGTDh, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=True)
 
@@ -418,7 +418,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
 ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers each row's weights on CPU
 
 
-def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
+def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
     projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
     (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto" (see below)."""
@@ -435,7 +435,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     def swiglu(gate_up_NH):
         gate_NI, up_NI = gate_up_NH.chunk(2, dim=-1)
         act_NI = F.silu(gate_NI) * up_NI
-        return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
+        return (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
     if impl == "rows":
         expert_N = torch.arange(len(counts_E), device=x_ND.device).repeat_interleave(counts_E, output_size=len(x_ND))
@@ -448,13 +448,10 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         return torch.cat([F.linear(act_nI, w_DI.to(dtype))
                           for act_nI, w_DI in zip(act_NI.split(rows), down_EDI.unbind(0))])
     mm_dtype = torch.bfloat16 if x_ND.is_cuda else dtype  # CUDA's grouped GEMM wants bf16 (fp32 masters included)
-    x_ND = x_ND.to(mm_dtype)
-    gate_up_EHD = gate_up_EHD.to(mm_dtype)
-    down_EDI = down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
-    act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs=offs_E))
-    return mm(act_NI, down_EDI.transpose(-2, -1), offs=offs_E).to(dtype)
+    mm = _grouped_mm if mm_dtype == torch.bfloat16 else _grouped_mm_eager
+    act_NI = swiglu(mm(x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype).transpose(-2, -1), offs=offs_E))
+    return mm(act_NI, down_EDI.to(mm_dtype).transpose(-2, -1), offs=offs_E).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -467,7 +464,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_ND, counts_E, scale_N=None):
+    def forward(self, x_ND, counts_E, scale_N):
         return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl, scale_N)
 
 
@@ -633,17 +630,15 @@ def lse_and_grad(logits_CV, t_C1, g_CV=None):
     return sum_C1.log_().add_(max_C1)
 
 
-_lse_and_grad_compiled = None  # compiled on first use
-
-
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(each row's cross-entropy [N] of h @ weight.T against targets, 0 where the target is -100; the valid rows), a
     chunk of rows at a time: the [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32,
     from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never
     dividing [rows, V]. Rounding matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh
     and dW matmuls."""
-    global _lse_and_grad_compiled
-    device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
+    device = h_ND.device
+    N, D = h_ND.shape
+    V = weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
     valid_N1 = (targets_N != -100).unsqueeze(1)
@@ -658,9 +653,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
         if not fp32:  # rounding matmuls
-            if device.type == "cuda" and _lse_and_grad_compiled is None:
-                _lse_and_grad_compiled = torch.compile(lse_and_grad)
-            fused = _lse_and_grad_compiled if device.type == "cuda" else lse_and_grad
+            fused = compiled(lse_and_grad) if device.type == "cuda" else lse_and_grad
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
             for start in range(0, N, rows):
                 end = min(start + rows, N)

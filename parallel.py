@@ -42,7 +42,7 @@ AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "muon")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard (the DTensor's own storage, so in-place updates reach the parameter), or t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -64,7 +64,7 @@ def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, g
     available memory (else the OOM killer ends the run without a word). A lower bound: activations are not counted."""
     available = host_memory_available()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need = copies * sum(t.numel() * t.element_size() for t in map(_local, model.parameters()))
+    need = copies * sum(t.numel() * t.element_size() for t in map(local, model.parameters()))
     if available is not None and need * ranks > available:
         raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
                          f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model (--preset, "
@@ -254,9 +254,10 @@ class Layout:
         R = self.dp_replicate
         ep = self.ep
         E = model_cfg.n_experts
-        if dist.is_available() and dist.is_initialized() and rank_world()[1] != W:
-            raise ValueError(f"Layout(world={W}) does not match the {rank_world()[1]} launched processes; "
-                             f"pass world={rank_world()[1]}.")
+        launched = rank_world()[1]
+        if dist.is_available() and dist.is_initialized() and launched != W:
+            raise ValueError(f"Layout(world={W}) does not match the {launched} launched processes; pass "
+                             f"world={launched}.")
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
                              f"{_divisors(W)}.")
@@ -344,15 +345,15 @@ class ExpertParallelExperts(GroupedExperts):
         me = ep_mesh.get_local_rank()
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
-            local = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
-            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+            mine = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
+            dtensor = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
                                          stride=full.stride())
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     def extra_repr(self) -> str:
         return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
 
-    def forward(self, x_MD, counts_E, scale_M=None):
+    def forward(self, x_MD, counts_E, scale_M):
         group = self.ep_mesh
         ep = self.ep_mesh.size()
         # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
@@ -362,8 +363,7 @@ class ExpertParallelExperts(GroupedExperts):
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
         # Then the tokens, in uneven splits (the backward is the reverse all-to-all).
         x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
-        scale_R = None if scale_M is None else funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits,
-                                                                                   group)
+        scale_R = funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits, group)
         # They arrive grouped by (peer, local expert); expert_ffn wants them grouped by local expert.
         L = recv_counts_PL.shape[1]
         expert_R = torch.arange(L, device=x_MD.device).repeat(ep).repeat_interleave(
@@ -371,7 +371,7 @@ class ExpertParallelExperts(GroupedExperts):
         order_R = torch.argsort(expert_R, stable=True)
         y_RD = expert_ffn(x_RD.index_select(0, order_R), recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
                           self.down_proj.to_local(), self.impl,
-                          None if scale_R is None else scale_R.index_select(0, order_R))
+                          scale_R.index_select(0, order_R))
         y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
         # Results return to the ranks the tokens came from, in the order they were sent.
         return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
@@ -514,7 +514,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
                               for n in norms]).sum().sqrt()
     clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if clip < 1:  # a host sync between backward and the optimizer; steps within the norm skip a pass over gradients
-        locals_ = [_local(g) for g in grads]  # views: scaling them scales the gradients
+        locals_ = [local(g) for g in grads]  # views: scaling them scales the gradients
         torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
 
@@ -611,7 +611,7 @@ class Muon(torch.optim.Optimizer):
     def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
         lr = group["lr"] * group["lr_scale"]
         rows, cols = p.shape[-2:]
-        mine = _local(p)
+        mine = local(p)
         mine.mul_(1 - lr * group["weight_decay"])  # then a bf16 update is added in fp32, with no cast of its own
         mine.add_(o_XOF.reshape(mine.shape), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
 
@@ -627,8 +627,8 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                g = _local(p.grad)
-                buf = _local(state["momentum_buffer"])
+                g = local(p.grad)
+                buf = local(state["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 by_layout.setdefault(muon_layout(p), []).append((p, u, group))
@@ -695,13 +695,13 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if not state:  # as torch.optim.AdamW: a CPU step count, or one on the parameter's device when fused
-                state["step"] = torch.zeros((), device=_local(p).device if group["fused"] else "cpu")
+                state["step"] = torch.zeros((), device=local(p).device if group["fused"] else "cpu")
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
         if params:
             states = [self.state[p] for p in params]
-            adamw([_local(p) for p in params], [_local(p.grad) for p in params],
-                  [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+            adamw([local(p) for p in params], [local(p.grad) for p in params],
+                  [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
                   [s["step"] for s in states], fused=group["fused"] or None, amsgrad=False, beta1=group["betas"][0],
                   beta2=group["betas"][1], lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)

@@ -558,8 +558,9 @@ def test_compiled_experts_match_eager(dtype):
             w.copy_(torch.randn(w.shape, generator=g) * 0.2)
     counts = torch.tensor([2, 3, 0, 5, 1, 4, 3, 2])
     x = torch.randn(20, 32, generator=g).to(dtype)
+    scale = torch.rand(20, generator=g)
     compiled = torch.compile(experts, backend="aot_eager")
-    assert torch.equal(compiled(x, counts), experts(x, counts))
+    assert torch.equal(compiled(x, counts, scale), experts(x, counts, scale))
 
 
 def test_count_ids_matches_bincount():
