@@ -440,14 +440,8 @@ def apply_ac(model: Transformer, mode: str):
         # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
         SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
-
-    def checkpointed(forward):
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-        return run
     for block in model.layers.values():
-        block.forward = checkpointed(block.forward)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
 
 
 def apply_compile(model: Transformer, backend: str = "inductor"):
