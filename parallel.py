@@ -582,12 +582,10 @@ class Muon(torch.optim.Optimizer):
     experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = NS_STEPS, ns_coefficients: tuple = NS_COEFFICIENTS,
-                 ns_eps: float = 1e-7, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
+                 nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
                  ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps,
-                        betas=tuple(betas), eps=eps, fused=fused)
+                        nesterov=nesterov, betas=tuple(betas), eps=eps, fused=fused)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
@@ -596,10 +594,6 @@ class Muon(torch.optim.Optimizer):
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         return self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-
-    def _ns(self, u_XOF: torch.Tensor, group: dict) -> torch.Tensor:
-        return newton_schulz(u_XOF, group["ns_steps"], group["ns_coefficients"], group["ns_eps"],
-                             self._dtype(u_XOF.device))
 
     @staticmethod
     def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
@@ -632,11 +626,11 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalise_local(self, items: list):
         """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
-        open_batches: dict = {}  # kind of matrix -> [items, elements] of the batch being filled
+        open_batches: dict = {}  # (matrix shape, device) -> [items, elements] of the batch being filled
         batches = []
         for p, u, group in items:
             u = u.reshape(-1, *u.shape[-2:])
-            key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_eps"])
+            key = (u.shape[-2:], u.device)
             batch = open_batches.get(key)
             if batch is None or batch[1] + u.numel() > self.batch_elements:
                 batch = open_batches[key] = [[], 0]
@@ -645,7 +639,7 @@ class Muon(torch.optim.Optimizer):
             batch[1] += u.numel()
         for batch in batches:
             dtype = self._dtype(batch[0][1].device)  # cast before the copy into one batch: fewer bytes to move
-            o_XOF = self._ns(torch.cat([u.to(dtype) for _, u, _ in batch]), batch[0][2])
+            o_XOF = newton_schulz(torch.cat([u.to(dtype) for _, u, _ in batch]))
             for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
                 self._apply(p, o, group)
 
@@ -674,8 +668,7 @@ class Muon(torch.optim.Optimizer):
             full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
-                p, _, group = items[mine]
-                full = self._ns(full.view(1, *p.shape), group).reshape(-1)
+                full = newton_schulz(full.view(1, *items[mine][0].shape)).reshape(-1)
             back = torch.empty(sum(send_splits), dtype=dtype, device=device)
             dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
             del full
