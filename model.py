@@ -510,11 +510,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts = cfg.n_experts
-        self.top_k = cfg.top_k
-        self.route_scale = cfg.route_scale
-        self.aux_loss_coef = cfg.aux_loss_coef
-        self.z_loss_coef = cfg.z_loss_coef
+        self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -526,27 +522,27 @@ class MoE(nn.Module):
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
-        _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
+        _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.cfg.top_k, dim=-1)
         gates_NK = scores_NE.gather(-1, experts_NK)  # unbiased scores, normalised over the chosen k
-        gates_NK = gates_NK / (gates_NK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        gates_NK = gates_NK / (gates_NK.sum(-1, keepdim=True) + 1e-20) * self.cfg.route_scale
         return experts_NK, gates_NK, scores_NE, logits_NE
 
     def forward(self, x_BTD):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
-        counts_E = count_ids(experts_NK.flatten(), self.n_experts)
+        counts_E = count_ids(experts_NK.flatten(), self.cfg.n_experts)
         zero = torch.zeros((), device=x_ND.device)
-        aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else zero
-        z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else zero
+        aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.cfg.aux_loss_coef else zero
+        z_loss = self.cfg.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.cfg.z_loss_coef else zero
         # The M = N*K (token, choice) rows sorted by expert; the gate scales each row inside the expert.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
         scale_M = gates_NK.flatten()[order_M]
         # Each token's K rows come back gathered into [N, K, D] and summed in a fixed order, forward and backward: no
         # atomics, so bitwise reproducible on CUDA (on CPU as fast as adding them back with index_add).
         inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_ND.device))
-        y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.top_k), counts_E, scale_M)
-        y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.top_k, D).sum(1)
+        y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.cfg.top_k), counts_E, scale_M)
+        y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.cfg.top_k, D).sum(1)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D), (counts_E, aux_loss, z_loss)
@@ -554,12 +550,12 @@ class MoE(nn.Module):
     def balance_loss(self, experts_NK, scores_NE, B, T):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (tokens of the sequence whose top-k
         holds i), P_i = mean over its tokens of s_i / sum_j s_j."""
-        E = self.n_experts
-        K = self.top_k
+        E = self.cfg.n_experts
+        K = self.cfg.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
-        return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
+        return self.cfg.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
 
 def max_vio(counts_E: torch.Tensor) -> float:

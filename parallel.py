@@ -128,10 +128,9 @@ ROUND_KEY = "/nanotitan/round_store"  # in torchrun's store: "port nonce" of thi
 
 
 def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """A store for this round of ranks alone, on rank 0's node. torchrun (torch >= 2.5) keeps its one store for a
-    whole job, across restarts and membership changes, where a new round's ranks would read the dead round's keys:
-    rank 0 hosts a fresh one and writes its port and a nonce there; the other ranks connect to the port written
-    last until one answers with that nonce (a dead round's rank 0 answers no more)."""
+    """A store of this round's ranks alone, on rank 0's node: torchrun (torch >= 2.5) keeps one store for a whole
+    job, across restarts, where a new round's ranks would read a dead round's keys. Rank 0 hosts a fresh one and
+    writes its port and a nonce there; the others connect to the port written last until one answers that nonce."""
     host = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # the port is ours: rank 0 hosts the store there
@@ -222,9 +221,9 @@ class Layout:
 
     @classmethod
     def following(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
-        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks. dp_replicate=0
-        (auto) makes as many replicas of dp_shard ranks as fit, so that the layout follows the world an elastic job
-        restarts with; the ranks left over stand by. dp_shard=0: launched / dp_replicate. ValueError: one sentence."""
+        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks (0: launched /
+        dp_replicate). dp_replicate=0 (auto) makes as many replicas as fit, so that the layout follows the world an
+        elastic job restarts with; the ranks left over stand by."""
         if dp_replicate == 0:
             if dp_shard == 0:
                 raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
@@ -467,9 +466,9 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
     """Build on meta; EP, AC, compile, then FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
-    in one process, mesh None, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
-    same weights whatever the layout. `compile`: True for inductor or a backend name ("aot_eager": fast, for tests).
-    On CPU a model whose shards times `state_copies` cannot fit in memory is refused first."""
+    mesh None: one process, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
+    same weights whatever the layout. `compile`: True (inductor) or a backend name. On CPU a model whose shards times
+    `state_copies` cannot fit in memory is refused first."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     if mesh is not None and layout.ep > 1:
@@ -699,16 +698,16 @@ def build_optimizer(model, tc, fused: bool = True):
     hidden matrices, AdamW at --lr for the embedding, head, norms and router (orthogonalising its rows, the experts'
     score vectors, would couple them). `fused`: torch's one-pass AdamW kernel, on CPU too (256 experts a layer)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    vectors = {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}
     if tc.optimizer == "adamw":
-        groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-                  {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
+        matrices = {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}
+        return torch.optim.AdamW([matrices, vectors], lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
     if tc.lr <= 0:
         raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
-    hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]
-    ids = {id(p) for p in hidden}
-    groups = [{"params": hidden, "muon": True, "lr_scale": tc.muon_lr / tc.lr, "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() >= 2 and id(p) not in ids], "muon": False,
+    hidden = {n for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n}
+    groups = [{"params": [p for n, p in params if n in hidden], "muon": True, "lr_scale": tc.muon_lr / tc.lr,
                "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() < 2], "muon": False, "weight_decay": 0.0}]
+              {"params": [p for n, p in params if p.dim() >= 2 and n not in hidden], "muon": False,
+               "weight_decay": tc.weight_decay},
+              {**vectors, "muon": False}]
     return Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)

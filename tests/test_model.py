@@ -414,7 +414,7 @@ def reference_moe(moe, x_BTD):
     """The MoE block token by token, written out: each token through its k chosen experts and the shared expert,
     and the balance losses by their definitions with explicit loops over sequences."""
     B, T, D = x_BTD.shape
-    E, K = moe.n_experts, moe.top_k
+    E, K = moe.cfg.n_experts, moe.cfg.top_k
     x_ND = x_BTD.reshape(-1, D)
     logits_NE = x_ND @ moe.router.weight.t()
     scores_NE = torch.sigmoid(logits_NE)
@@ -422,7 +422,7 @@ def reference_moe(moe, x_BTD):
     rows = []
     for n in range(x_ND.shape[0]):
         chosen = scores_NE[n, experts_NK[n]]
-        gates = chosen / chosen.sum() * moe.route_scale
+        gates = chosen / chosen.sum() * moe.cfg.route_scale
         y = moe.shared(x_ND[n])
         for k in range(K):
             e = experts_NK[n, k]
@@ -436,7 +436,7 @@ def reference_moe(moe, x_BTD):
         p = (scores_NE[seq] / scores_NE[seq].sum(-1, keepdim=True)).mean(0)
         aux = aux + (f * p).sum() / B
     z = torch.logsumexp(logits_NE, -1).pow(2).mean()
-    return torch.stack(rows).view(B, T, D), (None, moe.aux_loss_coef * aux, moe.z_loss_coef * z)
+    return torch.stack(rows).view(B, T, D), (None, moe.cfg.aux_loss_coef * aux, moe.cfg.z_loss_coef * z)
 
 
 def test_moe_forward_and_gradients_match_token_by_token_reference():
