@@ -896,7 +896,7 @@ def meta_model(cfg: ModelConfig) -> Transformer:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=PRESETS, help="run one forward pass of this preset on CPU")
     args = parser.parse_args()
     if args.preset:
