@@ -405,8 +405,8 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
 @dataclass
 class PendingSave:
     """A save being written (in the background when asynchronous). Its one owner (train.py's loop) calls wait() on
-    every rank before the next save: it marks the checkpoint complete, or raises SaveFailed (once; later calls return
-    at once); abandon(ckpt_root, step) gives up on it instead."""
+    every rank before the next save: it marks the checkpoint complete or raises SaveFailed, once; abandon(ckpt_root,
+    step) gives up on it instead."""
     ckpt_root: str
     step: int
     keep: int
@@ -437,9 +437,8 @@ class PendingSave:
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
          async_save: bool = False) -> PendingSave:
     """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json as plain JSON).
-    async_save returns once the tensors are staged on the CPU; a synchronous save is complete when it returns. A
-    failed write: SaveFailed."""
+    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json). An async_save returns
+    once the tensors are staged on the CPU, a synchronous one once complete. A failed write: SaveFailed."""
     rank, world = rank_world()
     tensors, optim_rest, train = _state_dicts(state)
     # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
@@ -691,8 +690,7 @@ def _ls(ckpt_root: str):
 
 def sampling_model(path: str, device: torch.device):
     """(model in eval mode, tokenizer or None, why none) from a Hugging Face `afmoe` folder (its tokenizer.json) or a
-    checkpoint or root (the tokenizer its data was prepared with); either tokenizer is data.get_encoding's, so both
-    read the same prompts."""
+    checkpoint or root (its data's tokenizer); both through data.get_encoding, so both read prompts alike."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)

@@ -94,8 +94,8 @@ def suggest(word: str, names, aliases: dict | None = None) -> str | None:
 
 def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: argparse.ArgumentParser | None = None,
                    also: list[str] = (), aliases: dict | None = None):
-    """Exit as parser.error does, in one sentence, if any of `words` is a flag that neither `known` (default: parser)
-    nor `also` has, naming for each the flag it most likely means (suggest), or where the flags are listed."""
+    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has: one
+    sentence naming the flags they most likely mean (suggest), or where the flags are listed."""
     known = known or parser
     flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
     unknown = [word.split("=")[0] for word in words if word.split("=")[0] not in flags]
@@ -107,8 +107,8 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: an unknown flag is refused in one sentence naming the flag it most likely
-    means (refuse_unknown; `aliases`: other programs' names for its flags)."""
+    """argparse for every command line here: an unknown flag is refused naming the flag it most likely means
+    (refuse_unknown; `aliases`: other programs' names for its flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -839,11 +839,11 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, allowed_V: torch.Tensor | None = None, stop_id: int | None = None):
-        """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
-        cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
-        arguments. A row that samples stop_id (end-of-text) repeats it from then on, and sampling ends early once
-        every row has. A sharded model's ranks must all call it with the same tokens and RNG state (and with stop_id
-        only where their draws cannot differ: a rank that stops alone leaves the others waiting)."""
+        """Sample max_new_tokens after each row of tokens_BT (sample_next's arguments); returns [B, T + new]. The
+        prompt runs once into a KV cache, then one token per step, eagerly (no recompiling per length). A row that
+        samples stop_id (end-of-text) repeats it; sampling ends once every row has. A sharded model's ranks must all
+        call it with the same tokens and RNG state, and give stop_id only where their draws cannot differ (a rank that
+        stops alone leaves the others waiting)."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "

@@ -193,7 +193,7 @@ def rank_world() -> tuple[int, int]:
 
 
 def say(*args, **kwargs):
-    """print, on rank 0 only: what a run tells its user once, whatever the number of ranks."""
+    """print on rank 0 only: what a run tells its user once, whatever the number of ranks."""
     if rank_world()[0] == 0:
         print(*args, **kwargs)
 
@@ -348,9 +348,6 @@ class ExpertParallelExperts(GroupedExperts):
             dtensor = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
                                          stride=full.stride())
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
-
-    def extra_repr(self) -> str:
-        return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
 
     def forward(self, x_MD, counts_E, scale_M):
         group = self.ep_mesh
