@@ -38,7 +38,7 @@ import warnings
 from collections import namedtuple
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
 
 import torch
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 import data
-from model import POSITIVE, ModelConfig, Rule, at_least, config_fields, meta_model, refuse_unknown
+from model import POSITIVE, ModelConfig, Rule, at_least, meta_model, refuse_unknown
 from parallel import local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
@@ -277,7 +277,8 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
     saved = _read_json(path, "config.json")
     if not isinstance(saved.get("model"), dict):
         raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
-    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+    known = {f.name for f in fields(ModelConfig)}
+    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in known})
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -221,10 +221,6 @@ def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
     return -(-n_tokens // multiple) * multiple
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in fields(ModelConfig)]
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Building blocks
 
