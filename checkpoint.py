@@ -1,12 +1,12 @@
 """
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
-Each rank writes its shards of the model and optimizer with torch.distributed.checkpoint (DCP), keyed by parameter
-name, so any layout reads them back (the train state's tensors too); the rest is plain JSON, and DCP's .metadata is
-unpickled through an allow-list of its own classes (loading runs no code). Training draws no random number after
-initialisation (the data order has seeds of its own), so no RNG state is saved. A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run
-killed mid-save leaves the previous checkpoint the newest; the sha256 of every file, taken as it is written, lets a
-load refuse one whose bytes changed on disk.
+Each rank writes its shards of the model, optimizer and train state's tensors with torch.distributed.checkpoint
+(DCP), keyed by parameter name, so any layout reads them back; the rest is plain JSON, and .metadata is unpickled
+through an allow-list of DCP's classes (loading runs no code). No RNG state is saved: training draws no random number
+after initialisation. A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run killed mid-save
+leaves the previous checkpoint the newest; each file's sha256, taken as it is written, lets a load refuse one whose
+bytes changed on disk.
 
     ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
                               config.json, state.json       training config; step, world size, "train", optimizer
@@ -38,7 +38,7 @@ import warnings
 from collections import namedtuple
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
 
 import torch
@@ -50,11 +50,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor
 
 import data
-from model import ModelConfig, config_fields, meta_model, refuse_unknown
-from parallel import rank_world
+from model import POSITIVE, ModelConfig, Rule, at_least, meta_model, refuse_unknown
+from parallel import local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -88,21 +87,6 @@ def _hf_name(ours: str) -> str:
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     """Our state dict -> transformers' AfmoeForCausalLM state dict (same tensors, renamed)."""
     return {_hf_name(k): v for k, v in sd.items()}
-
-
-def _hf_names(ours, present) -> dict:  # {transformers' name: ours}, each of them in `present`
-    names = {_hf_name(k): k for k in ours}
-    missing = sorted(set(names) - set(present))
-    if missing:
-        raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
-                       f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
-    return names
-
-
-def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
-    """transformers' AfmoeForCausalLM state dict -> one that Transformer(cfg).load_state_dict(strict=True) takes."""
-    names = _hf_names(meta_model(cfg).state_dict(), hf_sd)
-    return {ours: hf_sd[hf].float() if ours.endswith("expert_bias") else hf_sd[hf] for hf, ours in names.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -193,7 +177,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader with .metadata read through _MetadataUnpickler; dcp.load is given it as storage_reader."""
+    """DCP's file reader, reading .metadata through _MetadataUnpickler."""
 
     def read_metadata(self) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -204,10 +188,10 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True):
-    """Check that complete checkpoint `path` is whole, or raise CorruptCheckpoint naming the first bad file: each file
-    there, each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
-    `contents`, every file has the sha256 it was written with (checkpoints written before checksums.json: not this).
-    Every rank calls it: rank r reads every world-th file, and all raise the same verdict before anything is loaded."""
+    """Raise CorruptCheckpoint naming the first bad file of complete checkpoint `path` unless each file is there,
+    each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
+    `contents`, every file has the sha256 it was written with. Every rank calls it, reads every world-th file and
+    raises the same verdict."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -293,34 +277,36 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
     saved = _read_json(path, "config.json")
     if not isinstance(saved.get("model"), dict):
         raise ValueError(f"checkpoint {path} has no model config under 'model' in config.json.")
-    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in config_fields()})
+    known = {f.name for f in fields(ModelConfig)}
+    return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in known})
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Saving and loading training checkpoints
 
-def _resolved_config(config) -> dict:
-    """The training config as a dict, with the model's config (as a dict) under "model"."""
-    out = asdict(config) if is_dataclass(config) else dict(config or {})
-    m = out.get("model")
+def _resolved_config(config: dict) -> dict:
+    """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
+    m = config.get("model")
     if m is not None and not isinstance(m, (dict, ModelConfig)):
         raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
-    return out if m is None else {**out, "model": asdict(m) if isinstance(m, ModelConfig) else m}
+    return {**config, "model": asdict(m)} if isinstance(m, ModelConfig) else config
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
+
+
+def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in values.items() if k not in tensors}
 
 
 def _state_dicts(state: dict) -> tuple[dict, dict, dict]:
     """({"model": tensors, "optim": tensors, "train": tensors} for DCP, the optimizer's other values, the train
     state's other values) of a save's or load's `state`, by parameter name, any wrapping."""
     model_sd, optim_sd = get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
-    optim_tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
-    train = state.get("train") or {}
-    train_tensors = {k: v for k, v in train.items() if isinstance(v, torch.Tensor)}
-    return ({"model": model_sd, "optim": optim_tensors, "train": train_tensors},
-            {k: v for k, v in optim_sd.items() if k not in optim_tensors},
-            {k: v for k, v in train.items() if k not in train_tensors})
+    optim_tensors, optim_rest = _tensors_and_rest(optim_sd)
+    train_tensors, train_rest = _tensors_and_rest(state.get("train") or {})
+    return {"model": model_sd, "optim": optim_tensors, "train": train_tensors}, optim_rest, train_rest
 
 
 @cache
@@ -347,20 +333,31 @@ def _no_space(folder: str, code: int | None, needed: int) -> str | None:
     return None
 
 
+def _step_dir(ckpt_root: str, step: int) -> str:
+    return os.path.join(ckpt_root, f"step_{step:08d}")
+
+
+def abandon(ckpt_root: str, step: int) -> str:
+    """Give up the save of `step` (a second Ctrl-C): remove what it wrote so far, on rank 0; the partial folder."""
+    tmp = _step_dir(ckpt_root, step) + ".tmp"
+    if rank_world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
 @contextmanager
-def _failing_cleanly(ckpt_root: str, step: int, rank: int, needed: int):
+def _failing_cleanly(ckpt_root: str, step: int, needed: int):
     """A write of `needed` bytes on this rank that fails (a full disk) becomes one SaveFailed sentence; its partial
     files are removed."""
-    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
     try:
         yield
     except (OSError, CheckpointException) as e:
         code, line = _first_failure(e)
-        why = _no_space(ckpt_root, code, needed) or f"writing {tmp} failed ({line})"  # before the files are freed
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise SaveFailed(f"{why}: checkpoint step_{step:08d} not written (its partial files are removed); the "
-                         f"newest checkpoint is still {latest(ckpt_root) or 'none'}.") from None
+        why = _no_space(ckpt_root, code, needed)  # before the partial files are freed
+        tmp = abandon(ckpt_root, step)
+        raise SaveFailed(f"{why or f'writing {tmp} failed ({line})'}: checkpoint step_{step:08d} not written (its "
+                         f"partial files are removed); the newest checkpoint is still "
+                         f"{latest(ckpt_root) or 'none'}.") from None
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -390,7 +387,7 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
 
-    final = os.path.join(ckpt_root, f"step_{step:08d}")
+    final = _step_dir(ckpt_root, step)
     data.write_durably(os.path.join(final + ".tmp", CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
     data.write_durably(os.path.join(final + ".tmp", MARKER), f"{step}\n")
     shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
@@ -406,19 +403,18 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
         shutil.rmtree(e.path, ignore_errors=True)
 
 
+@dataclass
 class PendingSave:
     """A save being written (in the background when asynchronous). Its one owner (train.py's loop) calls wait() on
-    every rank before the next save: it marks the checkpoint complete, or raises SaveFailed (once; later calls return
-    at once); abandon(ckpt_root, step) gives up on it instead."""
-
-    def __init__(self, ckpt_root: str, step: int, keep: int, future: Future, writer: "_Writer", needed: int):
-        self.ckpt_root = ckpt_root
-        self.step = step
-        self.keep = keep
-        self.future = future
-        self.writer = writer
-        self.needed = needed
-        self.completed = False
+    every rank before the next save: it marks the checkpoint complete or raises SaveFailed, once; abandon(ckpt_root,
+    step) gives up on it instead."""
+    ckpt_root: str
+    step: int
+    keep: int
+    future: Future
+    writer: _Writer
+    needed: int  # this rank's bytes: less than that free after a failed write is a full disk
+    completed: bool = False
 
     def done(self) -> bool:
         """Whether this rank's files are written (wait() still completes the checkpoint)."""
@@ -429,7 +425,7 @@ class PendingSave:
             return
         self.completed = True
         rank, world = rank_world()
-        with _failing_cleanly(self.ckpt_root, self.step, rank, self.needed):
+        with _failing_cleanly(self.ckpt_root, self.step, self.needed):
             self.future.result()
             checksums = [self.writer.checksums] * world
             if world > 1:
@@ -439,35 +435,22 @@ class PendingSave:
                     _commit(self.ckpt_root, self.step, self.keep, {k: v for c in checksums for k, v in c.items()})
 
 
-
-def abandon(ckpt_root: str, step: int) -> str:
-    """Give up the save of `step` (a second Ctrl-C): remove what it wrote so far, on rank 0; the partial folder."""
-    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
-    if rank_world()[0] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
          async_save: bool = False) -> PendingSave:
     """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json as plain JSON).
-    async_save returns once the tensors are staged on the CPU; a synchronous save is complete when it returns. A
-    failed write: SaveFailed."""
+    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json). An async_save returns
+    once the tensors are staged on the CPU, a synchronous one once complete. A failed write: SaveFailed."""
     rank, world = rank_world()
     tensors, optim_rest, train = _state_dicts(state)
     # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
     texts = {"config.json": _json(_resolved_config(config), "config"),
              "state.json": _json({"step": step, "world_size": world, "train": train, "optim": optim_rest}, "train")}
-    # This rank's bytes: less than that free after a failed write is a full disk.
-    needed = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for sd in tensors.values()
-                 for t in sd.values())
-    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
+    needed = sum(local(t).nbytes for sd in tensors.values() for t in sd.values())
+    tmp = abandon(ckpt_root, step)  # what a killed save of this step left
     writer = _Writer(tmp)
-    with _failing_cleanly(ckpt_root, step, rank, needed):
+    with _failing_cleanly(ckpt_root, step, needed):
         with _together(world):
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # left by a save of this step that was killed
                 os.makedirs(tmp)
                 for name, text in texts.items():
                     data.write_durably(os.path.join(tmp, name), text)
@@ -494,15 +477,15 @@ def _json(obj, what: str) -> str:
     return json.dumps(obj, indent=1, default=refuse)
 
 
-def _check_config(path: str, saved_config: dict, config):
+def _check_config(path: str, saved_config: dict, config: dict):
     """Refuse a checkpoint saved with another model architecture than `config` names. (Another tokenizer or data on
     resume is train.py's to refuse: it may be a wanted change.)"""
-    current = asdict(config) if isinstance(config, ModelConfig) else _resolved_config(config).get("model")
+    current = _resolved_config(config).get("model")
     saved = saved_config.get("model")
     if current is not None and isinstance(saved, dict):
         # Fields that change neither the weights' shapes nor the function they compute may change on resume.
         free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-        names = [n for n in dict.fromkeys([*config_fields(), *saved]) if n not in free]
+        names = [n for n in {**current, **saved} if n not in free]
         diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
                 for n in names if saved.get(n) != current.get(n)]
         if diff:
@@ -510,10 +493,10 @@ def _check_config(path: str, saved_config: dict, config):
                              f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
 
 
-def load(path: str, state: dict, config: dict | ModelConfig | None = None) -> dict:
+def load(path: str, state: dict, config: dict | None = None) -> dict:
     """Load checkpoint `path` (or a root's newest) into state["model"], state["optim"] and the tensors of
-    state["train"] in place, any layout, on every rank; return the saved train state's other values. config
-    (training config or ModelConfig): refuse another architecture."""
+    state["train"] in place, any layout, on every rank; return the saved train state's other values. config (the
+    training config): refuse another architecture."""
     path = _resolve(path)
     verify(path)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
@@ -571,11 +554,10 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False) -> str:
-    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` or a root's newest, one shard in memory at a
+    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` (or a root's newest), one shard in memory at a
     time: config.json (with the end-of-text id and the checkpoint it came from), generation_config.json, safetensors
-    shards and an index, the tokenizer (by default the data's). The checkpoint is verified first; the folder is
-    written beside out_dir and moved there once complete. An out_dir holding files is refused unless `overwrite`, and
-    is then replaced only by a complete export. Returns the checkpoint used."""
+    shards and an index, the tokenizer (default: the data's). The folder is written beside out_dir and moved there
+    once complete; an out_dir holding files is refused unless `overwrite`. Returns the checkpoint used."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     _refuse_export_dir(out_dir, path, overwrite)
     verify(path)  # a damaged checkpoint is one sentence, before anything is written
@@ -596,13 +578,10 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
                          f"e.g. {', '.join(missing[:3])}.")
     nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
     shards = [[]]
-    size = 0
     for n in names:
-        if shards[-1] and size + nbytes[n] > max_shard_bytes:
+        if shards[-1] and sum(nbytes[m] for m in shards[-1]) + nbytes[n] > max_shard_bytes:
             shards.append([])
-            size = 0
         shards[-1].append(n)
-        size += nbytes[n]
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
@@ -674,7 +653,11 @@ def load_hf_into(model, hf_dir: str):
     reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
-    wanted = {hf: tensors[k] for hf, k in _hf_names(tensors, shapes).items()}
+    wanted = to_hf_state_dict(tensors, model.cfg)
+    missing = sorted(set(wanted) - set(shapes))
+    if missing:
+        raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
+                       f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
     wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
              if shapes[k] != tuple(v.shape)]
     if wrong:
@@ -682,14 +665,6 @@ def load_hf_into(model, hf_dir: str):
                          f"of this model's config, or drop the flags that change it.")
     dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
     set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
-
-
-def load_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
-    """Read a Hugging Face `afmoe` folder whole: our ModelConfig and a state dict for Transformer(cfg), in fp32."""
-    cfg = hf_config(hf_dir)
-    model = meta_model(cfg).to_empty(device="cpu")
-    load_hf_into(model, hf_dir)
-    return cfg, model.state_dict()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -716,8 +691,7 @@ def _ls(ckpt_root: str):
 
 def sampling_model(path: str, device: torch.device):
     """(model in eval mode, tokenizer or None, why none) from a Hugging Face `afmoe` folder (its tokenizer.json) or a
-    checkpoint or root (the tokenizer its data was prepared with); either tokenizer is data.get_encoding's, so both
-    read the same prompts."""
+    checkpoint or root (its data's tokenizer); both through data.get_encoding, so both read prompts alike."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -725,9 +699,7 @@ def sampling_model(path: str, device: torch.device):
     else:
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
-        with warnings.catch_warnings():  # the world size that wrote it does not matter for sampling
-            warnings.simplefilter("ignore")
-            load(path, {"model": model})
+        load(path, {"model": model})
         tokenizer = saved.get("train", {}).get("tokenizer")
     if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"
@@ -753,13 +725,29 @@ def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
     return allowed_V
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
+
+
+_SAMPLE_FLAGS = [  # flag, type, default, rule, help
+    ("--prompt", str, "", None, "text to continue"),
+    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3), for a model without a tokenizer; "
+                                             "overrides --prompt"),
+    ("--temperature", float, 0.8, at_least(0, "0 (greedy) or more"), "softmax temperature; 0 is greedy"),
+    ("--top_k", int, 50, at_least(0, "0 (off) or more"), "sample among the k most likely tokens (0: all)"),
+    ("--top_p", float, 1.0, Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"),
+     "sample among the most likely tokens whose probability reaches p (1: all)"),
+    ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
+    ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
+    ("--seed", int, 0, None, "the same seed gives the same samples")]
+
+
 def _sample(args):
-    checks = [("temperature", args.temperature >= 0, "0 (greedy) or more"),
-              ("top_k", args.top_k >= 0, "0 (off) or more"),
-              ("top_p", 0 < args.top_p <= 1, "above 0 and at most 1 (1: off)"),
-              ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
-              ("num_samples", args.num_samples >= 1, "at least 1")]
-    problems = [f"--{name}={getattr(args, name)} must be {rule}" for name, ok, rule in checks if not ok]
+    problems = [f"{flag}={getattr(args, flag[2:])} must be {rule.words}" for flag, _, _, rule, _ in _SAMPLE_FLAGS
+                if rule and not rule.ok(getattr(args, flag[2:]), args)]
     if problems:
         raise ValueError("; ".join(problems) + ".")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -795,25 +783,6 @@ def _sample(args):
           file=sys.stderr)
 
 
-def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
-
-
-_SAMPLE_FLAGS = [  # flag, type, default, help
-    ("--prompt", str, "", "text to continue"),
-    ("--prompt_ids", _token_ids, None, "the prompt as token ids (1,2,3), for a model without a tokenizer; overrides "
-                                       "--prompt"),
-    ("--max_new_tokens", int, 64, "tokens generated after the prompt"),
-    ("--num_samples", int, 1, "continuations of the prompt, generated as one batch"),
-    ("--temperature", float, 0.8, "softmax temperature; 0 is greedy"),
-    ("--top_k", int, 50, "sample among the k most likely tokens (0: all)"),
-    ("--top_p", float, 1.0, "sample among the most likely tokens whose probability reaches p (1: all)"),
-    ("--seed", int, 0, "the same seed gives the same samples")]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
                                      allow_abbrev=False)
@@ -831,7 +800,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root (its newest complete one) or a "
                                                "Hugging Face afmoe folder")
-    for flag, kind, default, text in _SAMPLE_FLAGS:
+    for flag, kind, default, _, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),

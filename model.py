@@ -20,6 +20,7 @@ import difflib
 import math
 import warnings
 from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Callable
 
 import torch
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: ok(value, settings) and the words that say so ("at least 1"), which may name
-    other fields ("a multiple of n_kv_heads={n_kv_heads}"). A one_of rule's choices are listed by --help."""
+    """What a setting's value must be: ok(value, settings) and the words that say so, which may name other fields
+    ("a multiple of n_kv_heads={n_kv_heads}"); --help lists a one_of rule's choices."""
     ok: Callable
     words: str
     choices: tuple = ()
@@ -72,17 +73,17 @@ def option(default, help: str, rule: Rule | None = None, parse: Callable | None 
 def check(settings) -> None:
     """Raise ValueError, one sentence, naming every field of the dataclass `settings` whose value breaks its rule."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings)}
-    problems = [f"--{f.name}={values[f.name]!s} must be {f.metadata['rule'].words.format(**values)}"
-                for f in fields(settings) if f.metadata.get("rule") and not f.metadata["rule"].ok(values[f.name],
-                                                                                                   settings)]
+    rules = {f.name: f.metadata["rule"] for f in fields(settings) if f.metadata.get("rule")}
+    problems = [f"--{name}={values[name]!s} must be {rule.words.format(**values)}" for name, rule in rules.items()
+                if not rule.ok(values[name], settings)]
     if problems:
         raise ValueError("; ".join(problems) + ".")
 
 
 def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means, for "did you mean": the one `aliases` gives for it (another
-    program's name for the same thing), else the closest of `names` in spelling, or None when none is close. Names are
-    compared without leading dashes; the answer is spelled as in `names`."""
+    """The name a mistyped `word` most likely means ("did you mean"): `aliases`' name for it (another program's),
+    else the closest of `names` in spelling, else None. Leading dashes are ignored; the answer is spelled as in
+    `names`."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
     if aliases and key in aliases:
@@ -93,8 +94,8 @@ def suggest(word: str, names, aliases: dict | None = None) -> str | None:
 
 def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: argparse.ArgumentParser | None = None,
                    also: list[str] = (), aliases: dict | None = None):
-    """Exit as parser.error does, in one sentence, if any of `words` is a flag that neither `known` (default: parser)
-    nor `also` has, naming for each the flag it most likely means (suggest), or where the flags are listed."""
+    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has: one
+    sentence naming the flags they most likely mean (suggest), or where the flags are listed."""
     known = known or parser
     flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
     unknown = [word.split("=")[0] for word in words if word.split("=")[0] not in flags]
@@ -106,8 +107,8 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: an unknown flag is refused in one sentence naming the flag it most likely
-    means (refuse_unknown; `aliases`: other programs' names for its flags)."""
+    """argparse for every command line here: an unknown flag is refused naming the flag it most likely means
+    (refuse_unknown; `aliases`: other programs' names for its flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -122,7 +123,7 @@ NON_NEGATIVE = at_least(0, "0 or more")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = option(100352, "embedding and head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
+    vocab_size: int = option(100352, "embedding/head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
     dim: int = option(128, "model width D", POSITIVE)
     n_layers: int = option(4, "transformer blocks", POSITIVE)
     n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
@@ -220,10 +221,6 @@ def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
     return -(-n_tokens // multiple) * multiple
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in fields(ModelConfig)]
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Building blocks
 
@@ -280,10 +277,9 @@ def apply_rope(x_BHTDh, cos_TDh, sin_TDh):
     return (x_BHTDh * cos_TDh + torch.cat([-x2, x1], dim=-1) * sin_TDh).to(x_BHTDh.dtype)
 
 
-def _warn_once(message: str, _seen=set()):
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, stacklevel=3)
+@cache
+def _warn_once(message: str):
+    warnings.warn(message, stacklevel=3)
 
 
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
@@ -310,16 +306,16 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
     return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
 
 
-_flex_attention = None  # compiled on first use
+@cache
+def compiled(function: Callable, **options) -> Callable:
+    """torch.compile(function, **options), compiled once, on first use."""
+    return torch.compile(function, **options)
 
 
 def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
-    global _flex_attention
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex BlockMask
-        if _flex_attention is None:
-            from torch.nn.attention.flex_attention import flex_attention
-            _flex_attention = torch.compile(flex_attention, dynamic=False)
-        return _flex_attention(q_BHTDh, k_BGTDh, v_BGTDh, block_mask=mask, enable_gqa=True)
+        from torch.nn.attention.flex_attention import flex_attention
+        return compiled(flex_attention, dynamic=False)(q_BHTDh, k_BGTDh, v_BGTDh, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=True)
 
@@ -418,7 +414,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
 ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers each row's weights on CPU
 
 
-def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_N=None):
+def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
     projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
     (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto" (see below)."""
@@ -435,7 +431,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
     def swiglu(gate_up_NH):
         gate_NI, up_NI = gate_up_NH.chunk(2, dim=-1)
         act_NI = F.silu(gate_NI) * up_NI
-        return act_NI if scale_N is None else (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
+        return (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
     if impl == "rows":
         expert_N = torch.arange(len(counts_E), device=x_ND.device).repeat_interleave(counts_E, output_size=len(x_ND))
@@ -448,13 +444,10 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str = "auto", scale_
         return torch.cat([F.linear(act_nI, w_DI.to(dtype))
                           for act_nI, w_DI in zip(act_NI.split(rows), down_EDI.unbind(0))])
     mm_dtype = torch.bfloat16 if x_ND.is_cuda else dtype  # CUDA's grouped GEMM wants bf16 (fp32 masters included)
-    x_ND = x_ND.to(mm_dtype)
-    gate_up_EHD = gate_up_EHD.to(mm_dtype)
-    down_EDI = down_EDI.to(mm_dtype)
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    mm = _grouped_mm if x_ND.dtype == torch.bfloat16 else _grouped_mm_eager
-    act_NI = swiglu(mm(x_ND, gate_up_EHD.transpose(-2, -1), offs=offs_E))
-    return mm(act_NI, down_EDI.transpose(-2, -1), offs=offs_E).to(dtype)
+    mm = _grouped_mm if mm_dtype == torch.bfloat16 else _grouped_mm_eager
+    act_NI = swiglu(mm(x_ND.to(mm_dtype), gate_up_EHD.to(mm_dtype).transpose(-2, -1), offs=offs_E))
+    return mm(act_NI, down_EDI.to(mm_dtype).transpose(-2, -1), offs=offs_E).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -467,7 +460,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_ND, counts_E, scale_N=None):
+    def forward(self, x_ND, counts_E, scale_N):
         return expert_ffn(x_ND, counts_E, self.gate_up_proj, self.down_proj, self.impl, scale_N)
 
 
@@ -513,11 +506,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts = cfg.n_experts
-        self.top_k = cfg.top_k
-        self.route_scale = cfg.route_scale
-        self.aux_loss_coef = cfg.aux_loss_coef
-        self.z_loss_coef = cfg.z_loss_coef
+        self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
         self.shared = FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -529,27 +518,27 @@ class MoE(nn.Module):
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
-        _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.top_k, dim=-1)
+        _, experts_NK = torch.topk(scores_NE + self.expert_bias, self.cfg.top_k, dim=-1)
         gates_NK = scores_NE.gather(-1, experts_NK)  # unbiased scores, normalised over the chosen k
-        gates_NK = gates_NK / (gates_NK.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        gates_NK = gates_NK / (gates_NK.sum(-1, keepdim=True) + 1e-20) * self.cfg.route_scale
         return experts_NK, gates_NK, scores_NE, logits_NE
 
     def forward(self, x_BTD):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         experts_NK, gates_NK, scores_NE, logits_NE = self.route(x_ND)
-        counts_E = count_ids(experts_NK.flatten(), self.n_experts)
+        counts_E = count_ids(experts_NK.flatten(), self.cfg.n_experts)
         zero = torch.zeros((), device=x_ND.device)
-        aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.aux_loss_coef else zero
-        z_loss = self.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.z_loss_coef else zero
+        aux_loss = self.balance_loss(experts_NK, scores_NE, B, T) if self.cfg.aux_loss_coef else zero
+        z_loss = self.cfg.z_loss_coef * torch.logsumexp(logits_NE, -1).pow(2).mean() if self.cfg.z_loss_coef else zero
         # The M = N*K (token, choice) rows sorted by expert; the gate scales each row inside the expert.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
         scale_M = gates_NK.flatten()[order_M]
         # Each token's K rows come back gathered into [N, K, D] and summed in a fixed order, forward and backward: no
         # atomics, so bitwise reproducible on CUDA (on CPU as fast as adding them back with index_add).
         inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_ND.device))
-        y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.top_k), counts_E, scale_M)
-        y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.top_k, D).sum(1)
+        y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.cfg.top_k), counts_E, scale_M)
+        y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.cfg.top_k, D).sum(1)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D), (counts_E, aux_loss, z_loss)
@@ -557,12 +546,12 @@ class MoE(nn.Module):
     def balance_loss(self, experts_NK, scores_NE, B, T):
         """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (tokens of the sequence whose top-k
         holds i), P_i = mean over its tokens of s_i / sum_j s_j."""
-        E = self.n_experts
-        K = self.top_k
+        E = self.cfg.n_experts
+        K = self.cfg.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
         p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
-        return self.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
+        return self.cfg.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
 
 def max_vio(counts_E: torch.Tensor) -> float:
@@ -633,17 +622,15 @@ def lse_and_grad(logits_CV, t_C1, g_CV=None):
     return sum_C1.log_().add_(max_C1)
 
 
-_lse_and_grad_compiled = None  # compiled on first use
-
-
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(each row's cross-entropy [N] of h @ weight.T against targets, 0 where the target is -100; the valid rows), a
     chunk of rows at a time: the [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32,
     from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never
     dividing [rows, V]. Rounding matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh
     and dW matmuls."""
-    global _lse_and_grad_compiled
-    device, (N, D), V = h_ND.device, h_ND.shape, weight_VD.shape[0]
+    device = h_ND.device
+    N, D = h_ND.shape
+    V = weight_VD.shape[0]
     mm_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h_ND.dtype
     fp32 = mm_dtype == torch.float32 and fp32_matmul_is_exact(device)
     valid_N1 = (targets_N != -100).unsqueeze(1)
@@ -658,9 +645,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
         if not fp32:  # rounding matmuls
-            if device.type == "cuda" and _lse_and_grad_compiled is None:
-                _lse_and_grad_compiled = torch.compile(lse_and_grad)
-            fused = _lse_and_grad_compiled if device.type == "cuda" else lse_and_grad
+            fused = compiled(lse_and_grad) if device.type == "cuda" else lse_and_grad
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
             for start in range(0, N, rows):
                 end = min(start + rows, N)
@@ -850,11 +835,11 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, allowed_V: torch.Tensor | None = None, stop_id: int | None = None):
-        """Sample max_new_tokens after each row of tokens_BT; returns [B, T + new]. The prompt runs once into a KV
-        cache, then one token per step, eagerly (no recompiling per length); see sample_next for the sampling
-        arguments. A row that samples stop_id (end-of-text) repeats it from then on, and sampling ends early once
-        every row has. A sharded model's ranks must all call it with the same tokens and RNG state (and with stop_id
-        only where their draws cannot differ: a rank that stops alone leaves the others waiting)."""
+        """Sample max_new_tokens after each row of tokens_BT (sample_next's arguments); returns [B, T + new]. The
+        prompt runs once into a KV cache, then one token per step, eagerly (no recompiling per length). A row that
+        samples stop_id (end-of-text) repeats it; sampling ends once every row has. A sharded model's ranks must all
+        call it with the same tokens and RNG state, and give stop_id only where their draws cannot differ (a rank that
+        stops alone leaves the others waiting)."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
@@ -907,7 +892,7 @@ def meta_model(cfg: ModelConfig) -> Transformer:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=PRESETS, help="run one forward pass of this preset on CPU")
     args = parser.parse_args()
     if args.preset:

@@ -42,7 +42,7 @@ AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "muon")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard (the DTensor's own storage, so in-place updates reach the parameter), or t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -64,7 +64,7 @@ def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, g
     available memory (else the OOM killer ends the run without a word). A lower bound: activations are not counted."""
     available = host_memory_available()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need = copies * sum(t.numel() * t.element_size() for t in map(_local, model.parameters()))
+    need = copies * sum(t.numel() * t.element_size() for t in map(local, model.parameters()))
     if available is not None and need * ranks > available:
         raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
                          f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model (--preset, "
@@ -128,10 +128,9 @@ ROUND_KEY = "/nanotitan/round_store"  # in torchrun's store: "port nonce" of thi
 
 
 def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """A store for this round of ranks alone, on rank 0's node. torchrun (torch >= 2.5) keeps its one store for a
-    whole job, across restarts and membership changes, where a new round's ranks would read the dead round's keys:
-    rank 0 hosts a fresh one and writes its port and a nonce there; the other ranks connect to the port written
-    last until one answers with that nonce (a dead round's rank 0 answers no more)."""
+    """A store of this round's ranks alone, on rank 0's node: torchrun (torch >= 2.5) keeps one store for a whole
+    job, across restarts, where a new round's ranks would read a dead round's keys. Rank 0 hosts a fresh one and
+    writes its port and a nonce there; the others connect to the port written last until one answers that nonce."""
     host = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # the port is ours: rank 0 hosts the store there
@@ -194,7 +193,7 @@ def rank_world() -> tuple[int, int]:
 
 
 def say(*args, **kwargs):
-    """print, on rank 0 only: what a run tells its user once, whatever the number of ranks."""
+    """print on rank 0 only: what a run tells its user once, whatever the number of ranks."""
     if rank_world()[0] == 0:
         print(*args, **kwargs)
 
@@ -222,9 +221,9 @@ class Layout:
 
     @classmethod
     def following(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
-        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks. dp_replicate=0
-        (auto) makes as many replicas of dp_shard ranks as fit, so that the layout follows the world an elastic job
-        restarts with; the ranks left over stand by. dp_shard=0: launched / dp_replicate. ValueError: one sentence."""
+        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks (0: launched /
+        dp_replicate). dp_replicate=0 (auto) makes as many replicas as fit, so that the layout follows the world an
+        elastic job restarts with; the ranks left over stand by."""
         if dp_replicate == 0:
             if dp_shard == 0:
                 raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
@@ -254,9 +253,10 @@ class Layout:
         R = self.dp_replicate
         ep = self.ep
         E = model_cfg.n_experts
-        if dist.is_available() and dist.is_initialized() and rank_world()[1] != W:
-            raise ValueError(f"Layout(world={W}) does not match the {rank_world()[1]} launched processes; "
-                             f"pass world={rank_world()[1]}.")
+        launched = rank_world()[1]
+        if dist.is_available() and dist.is_initialized() and launched != W:
+            raise ValueError(f"Layout(world={W}) does not match the {launched} launched processes; pass "
+                             f"world={launched}.")
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
                              f"{_divisors(W)}.")
@@ -344,15 +344,12 @@ class ExpertParallelExperts(GroupedExperts):
         me = ep_mesh.get_local_rank()
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
-            local = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
-            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+            mine = full.detach().chunk(ep)[me].clone()  # contiguous experts me*L .. (me+1)*L-1 (free on meta)
+            dtensor = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
                                          stride=full.stride())
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
-    def extra_repr(self) -> str:
-        return f"ep={self.ep_mesh.size()}, local experts={self.gate_up_proj.to_local().shape[0]}"
-
-    def forward(self, x_MD, counts_E, scale_M=None):
+    def forward(self, x_MD, counts_E, scale_M):
         group = self.ep_mesh
         ep = self.ep_mesh.size()
         # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
@@ -362,8 +359,7 @@ class ExpertParallelExperts(GroupedExperts):
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
         # Then the tokens, in uneven splits (the backward is the reverse all-to-all).
         x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
-        scale_R = None if scale_M is None else funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits,
-                                                                                   group)
+        scale_R = funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits, group)
         # They arrive grouped by (peer, local expert); expert_ffn wants them grouped by local expert.
         L = recv_counts_PL.shape[1]
         expert_R = torch.arange(L, device=x_MD.device).repeat(ep).repeat_interleave(
@@ -371,7 +367,7 @@ class ExpertParallelExperts(GroupedExperts):
         order_R = torch.argsort(expert_R, stable=True)
         y_RD = expert_ffn(x_RD.index_select(0, order_R), recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
                           self.down_proj.to_local(), self.impl,
-                          None if scale_R is None else scale_R.index_select(0, order_R))
+                          scale_R.index_select(0, order_R))
         y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
         # Results return to the ranks the tokens came from, in the order they were sent.
         return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
@@ -440,14 +436,8 @@ def apply_ac(model: Transformer, mode: str):
         # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
         SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
-
-    def checkpointed(forward):
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-        return run
     for block in model.layers.values():
-        block.forward = checkpointed(block.forward)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
 
 
 def apply_compile(model: Transformer, backend: str = "inductor"):
@@ -473,9 +463,9 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
     """Build on meta; EP, AC, compile, then FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
-    in one process, mesh None, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
-    same weights whatever the layout. `compile`: True for inductor or a backend name ("aot_eager": fast, for tests).
-    On CPU a model whose shards times `state_copies` cannot fit in memory is refused first."""
+    mesh None: one process, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
+    same weights whatever the layout. `compile`: True (inductor) or a backend name. On CPU a model whose shards times
+    `state_copies` cannot fit in memory is refused first."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     if mesh is not None and layout.ep > 1:
@@ -514,7 +504,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
                               for n in norms]).sum().sqrt()
     clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if clip < 1:  # a host sync between backward and the optimizer; steps within the norm skip a pass over gradients
-        locals_ = [_local(g) for g in grads]  # views: scaling them scales the gradients
+        locals_ = [local(g) for g in grads]  # views: scaling them scales the gradients
         torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
 
@@ -588,12 +578,10 @@ class Muon(torch.optim.Optimizer):
     experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = NS_STEPS, ns_coefficients: tuple = NS_COEFFICIENTS,
-                 ns_eps: float = 1e-7, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
+                 nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
                  ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps,
-                        betas=tuple(betas), eps=eps, fused=fused)
+                        nesterov=nesterov, betas=tuple(betas), eps=eps, fused=fused)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
@@ -603,15 +591,11 @@ class Muon(torch.optim.Optimizer):
     def _dtype(self, device: torch.device) -> torch.dtype:
         return self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
-    def _ns(self, u_XOF: torch.Tensor, group: dict) -> torch.Tensor:
-        return newton_schulz(u_XOF, group["ns_steps"], group["ns_coefficients"], group["ns_eps"],
-                             self._dtype(u_XOF.device))
-
     @staticmethod
     def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
         lr = group["lr"] * group["lr_scale"]
         rows, cols = p.shape[-2:]
-        mine = _local(p)
+        mine = local(p)
         mine.mul_(1 - lr * group["weight_decay"])  # then a bf16 update is added in fp32, with no cast of its own
         mine.add_(o_XOF.reshape(mine.shape), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
 
@@ -627,8 +611,8 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                g = _local(p.grad)
-                buf = _local(state["momentum_buffer"])
+                g = local(p.grad)
+                buf = local(state["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 by_layout.setdefault(muon_layout(p), []).append((p, u, group))
@@ -638,11 +622,11 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalise_local(self, items: list):
         """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
-        open_batches: dict = {}  # kind of matrix -> [items, elements] of the batch being filled
+        open_batches: dict = {}  # (matrix shape, device) -> [items, elements] of the batch being filled
         batches = []
         for p, u, group in items:
             u = u.reshape(-1, *u.shape[-2:])
-            key = (tuple(u.shape[-2:]), u.device, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_eps"])
+            key = (u.shape[-2:], u.device)
             batch = open_batches.get(key)
             if batch is None or batch[1] + u.numel() > self.batch_elements:
                 batch = open_batches[key] = [[], 0]
@@ -651,7 +635,7 @@ class Muon(torch.optim.Optimizer):
             batch[1] += u.numel()
         for batch in batches:
             dtype = self._dtype(batch[0][1].device)  # cast before the copy into one batch: fewer bytes to move
-            o_XOF = self._ns(torch.cat([u.to(dtype) for _, u, _ in batch]), batch[0][2])
+            o_XOF = newton_schulz(torch.cat([u.to(dtype) for _, u, _ in batch]))
             for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
                 self._apply(p, o, group)
 
@@ -680,8 +664,7 @@ class Muon(torch.optim.Optimizer):
             full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
-                p, _, group = items[mine]
-                full = self._ns(full.view(1, *p.shape), group).reshape(-1)
+                full = newton_schulz(full.view(1, *items[mine][0].shape)).reshape(-1)
             back = torch.empty(sum(send_splits), dtype=dtype, device=device)
             dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
             del full
@@ -695,13 +678,13 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if not state:  # as torch.optim.AdamW: a CPU step count, or one on the parameter's device when fused
-                state["step"] = torch.zeros((), device=_local(p).device if group["fused"] else "cpu")
+                state["step"] = torch.zeros((), device=local(p).device if group["fused"] else "cpu")
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
         if params:
             states = [self.state[p] for p in params]
-            adamw([_local(p) for p in params], [_local(p.grad) for p in params],
-                  [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+            adamw([local(p) for p in params], [local(p.grad) for p in params],
+                  [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
                   [s["step"] for s in states], fused=group["fused"] or None, amsgrad=False, beta1=group["betas"][0],
                   beta2=group["betas"][1], lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
@@ -712,16 +695,16 @@ def build_optimizer(model, tc, fused: bool = True):
     hidden matrices, AdamW at --lr for the embedding, head, norms and router (orthogonalising its rows, the experts'
     score vectors, would couple them). `fused`: torch's one-pass AdamW kernel, on CPU too (256 experts a layer)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    vectors = {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}
     if tc.optimizer == "adamw":
-        groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-                  {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
+        matrices = {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}
+        return torch.optim.AdamW([matrices, vectors], lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
     if tc.lr <= 0:
         raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
-    hidden = [p for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n]
-    ids = {id(p) for p in hidden}
-    groups = [{"params": hidden, "muon": True, "lr_scale": tc.muon_lr / tc.lr, "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() >= 2 and id(p) not in ids], "muon": False,
+    hidden = {n for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n}
+    groups = [{"params": [p for n, p in params if n in hidden], "muon": True, "lr_scale": tc.muon_lr / tc.lr,
                "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in params if p.dim() < 2], "muon": False, "weight_decay": 0.0}]
+              {"params": [p for n, p in params if p.dim() >= 2 and n not in hidden], "muon": False,
+               "weight_decay": tc.weight_decay},
+              {**vectors, "muon": False}]
     return Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)

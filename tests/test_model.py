@@ -8,11 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_module
 import parallel
-from checkpoint import from_hf_state_dict, to_hf_state_dict
+from checkpoint import hf_config, load_hf_into, to_hf_state_dict
 from model import PRESETS, GroupedExperts, ModelConfig, RMSNorm, Transformer, make_mask, meta_model
 
 
@@ -40,16 +41,19 @@ def hf_model(cfg):
     return transformers.AfmoeForCausalLM(hf_cfg).eval()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is")  # DCP's single-process load (load_hf_into)
 @pytest.mark.parametrize("kw", [dict(), dict(n_shared_experts=2, n_kv_heads=4, n_dense_layers=2),
                                 dict(mup=False, n_layers=5, top_k=2)])
-def test_logits_match_transformers_from_hf(kw):
+def test_logits_match_transformers_from_hf(kw, tmp_path):
     cfg = small_cfg(**kw)
     g = torch.Generator().manual_seed(0)
     hf = hf_model(cfg)
     randomise_(hf, g)
-    ours = Transformer(ModelConfig.from_hf(hf.config.to_dict())).eval()
+    hf.config.to_json_file(tmp_path / "config.json")  # a folder in the in-memory layout: experts stacked
+    save_file(hf.state_dict(), str(tmp_path / "model.safetensors"))
+    ours = Transformer(hf_config(str(tmp_path))).eval()
     assert replace(ours.cfg, aux_loss_coef=0.0, z_loss_coef=0.0) == cfg  # training-only knobs are not in HF
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    load_hf_into(ours, str(tmp_path))
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=g)  # 40 > window 8: the window matters
     with torch.no_grad():
         diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
@@ -410,7 +414,7 @@ def reference_moe(moe, x_BTD):
     """The MoE block token by token, written out: each token through its k chosen experts and the shared expert,
     and the balance losses by their definitions with explicit loops over sequences."""
     B, T, D = x_BTD.shape
-    E, K = moe.n_experts, moe.top_k
+    E, K = moe.cfg.n_experts, moe.cfg.top_k
     x_ND = x_BTD.reshape(-1, D)
     logits_NE = x_ND @ moe.router.weight.t()
     scores_NE = torch.sigmoid(logits_NE)
@@ -418,7 +422,7 @@ def reference_moe(moe, x_BTD):
     rows = []
     for n in range(x_ND.shape[0]):
         chosen = scores_NE[n, experts_NK[n]]
-        gates = chosen / chosen.sum() * moe.route_scale
+        gates = chosen / chosen.sum() * moe.cfg.route_scale
         y = moe.shared(x_ND[n])
         for k in range(K):
             e = experts_NK[n, k]
@@ -432,7 +436,7 @@ def reference_moe(moe, x_BTD):
         p = (scores_NE[seq] / scores_NE[seq].sum(-1, keepdim=True)).mean(0)
         aux = aux + (f * p).sum() / B
     z = torch.logsumexp(logits_NE, -1).pow(2).mean()
-    return torch.stack(rows).view(B, T, D), (None, moe.aux_loss_coef * aux, moe.z_loss_coef * z)
+    return torch.stack(rows).view(B, T, D), (None, moe.cfg.aux_loss_coef * aux, moe.cfg.z_loss_coef * z)
 
 
 def test_moe_forward_and_gradients_match_token_by_token_reference():
@@ -554,8 +558,9 @@ def test_compiled_experts_match_eager(dtype):
             w.copy_(torch.randn(w.shape, generator=g) * 0.2)
     counts = torch.tensor([2, 3, 0, 5, 1, 4, 3, 2])
     x = torch.randn(20, 32, generator=g).to(dtype)
+    scale = torch.rand(20, generator=g)
     compiled = torch.compile(experts, backend="aot_eager")
-    assert torch.equal(compiled(x, counts), experts(x, counts))
+    assert torch.equal(compiled(x, counts, scale), experts(x, counts, scale))
 
 
 def test_count_ids_matches_bincount():
