@@ -98,7 +98,7 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
     sentence naming the flags they most likely mean (suggest), or where the flags are listed."""
     known = known or parser
     flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
-    unknown = [word.split("=")[0] for word in words if word.split("=")[0] not in flags]
+    unknown = [word.split("=")[0] for word in words if word.startswith("-") and word.split("=")[0] not in flags]
     if unknown:
         close = [flag for flag in (suggest(name, flags, aliases) for name in unknown) if flag]
         parser.exit(2, f"{parser.prog}: error: unknown flag{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
