@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
             (parser if table == "train" else model_group).add_argument(
                 f"--{f.name}", type=f.metadata.get("parse") or (_parse_bool if kind is bool else kind),
                 default=argparse.SUPPRESS,
-                help=f.metadata.get("help", f"ModelConfig.{f.name}") + shown,
+                help=f.metadata.get("help", f"ModelConfig.{f.name}").replace("%", "%%") + shown,  # argparse: %-format
                 **({"nargs": "?", "const": True} if kind is bool else {}))
     given = vars(parser.parse_args(argv))  # only what the command line says (SUPPRESS: no defaults)
     config_path = given.pop("config")
