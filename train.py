@@ -176,7 +176,7 @@ class TrainConfig:
                                   "non-finite guard")
     spike_at_step: str = option("", "fault drill: the batches of these data steps (comma-separated) scale the "
                                     "gradients 100 times, for the spike guard",
-                                Rule(lambda v, _: all(n.strip().isdigit() for n in v.split(",")) if v else True,
+                                Rule(lambda v, _: not v or all(n.strip().isdigit() for n in v.split(",")),
                                      "empty or step numbers separated by commas"))
     skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
@@ -185,7 +185,7 @@ class TrainConfig:
         log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
 
 
-# --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
+# --- command line: every TrainConfig and ModelConfig field is a --flag=value option
 
 MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
 
@@ -547,7 +547,7 @@ def balance_metrics(counts_LE: torch.Tensor, layers) -> dict:
             "bias_norm_layers": [round(m.expert_bias.norm().item(), 6) for m in layers]}
 
 
-# --- metrics sinks: TensorBoard and Weights & Biases besides OUT_DIR/metrics.jsonl (--log_to), written by rank 0
+# --- metrics: OUT_DIR/metrics.jsonl, and TensorBoard or W&B with --log_to, written by rank 0
 
 LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
@@ -841,17 +841,16 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
     found = []
     for (name, ranks), views in sorted(groups.items()):
         waiting = {r: v["entered"] for r, v in views.items() if v["entered"] > v["completed"]}
-        if not waiting:
-            continue
-        seq = max(waiting.values())
+        seq = max(waiting.values(), default=-1)
         behind = [r for r in ranks if r in views and views[r]["entered"] < seq]
+        if not behind:
+            continue
         op = next((e["op"] for r in waiting for e in records[r].get("last", [])
                    if e["group"] == name and e["seq"] == seq), "collective")
         waiters = [r for r in waiting if waiting[r] == seq]
-        if behind:
-            found.append(f"{named(behind)} never reached {op} #{seq} of process group {name} (ranks "
-                         f"{', '.join(map(str, ranks))}), in which {named(waiters)} "
-                         f"{'waits' if len(waiters) == 1 else 'wait'}")
+        found.append(f"{named(behind)} never reached {op} #{seq} of process group {name} (ranks "
+                     f"{', '.join(map(str, ranks))}), in which {named(waiters)} "
+                     f"{'waits' if len(waiters) == 1 else 'wait'}")
     missing = [r for r in range(world) if r not in records]
     if missing:
         found.append(f"{named(missing)} sent no record (stuck holding the interpreter, or gone)")
@@ -1264,9 +1263,8 @@ STEP_PARTS = ("data", "compute", "wait")
 
 class StepTimes:
     """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
-    its own step) and wait (blocked in the step's closing all-reduce until the slowest rank arrives). FSDP's gathers
-    inside the step also wait for a late rank, and that wait counts as compute: a rank late before them (a slow read)
-    shows in its data time while every rank's compute grows alike."""
+    its own step) and wait (in the step's closing all-reduce, for the slowest rank). A wait in FSDP's gathers counts as
+    compute: a rank late before them (a slow read) shows in its data time while every rank's compute grows alike."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1407,10 +1405,9 @@ class Loop:
         if run.device.type == "cuda":
             torch.cuda.synchronize()  # the device's compute, not only the host's launches
         t_compute = time.perf_counter()
-        # One all-reduce for the loop's decisions, which closes the step (each rank's wait for the slowest): a
-        # preemption signal on any rank, a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is
-        # due, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl; float64 keeps
-        # integers below 2**53 exact); then each source's summed loss.
+        # One all-reduce for the loop's decisions closes the step (each rank waits for the slowest): a preemption signal
+        # or a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is due, the global batch's
+        # token-id sum (a checksum of the data stream; float64 keeps integers below 2**53 exact), each source's loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         source_B = torch.as_tensor(self.loader.sources_of(data_step), device=run.device)
