@@ -1366,14 +1366,19 @@ class Loop:
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
+        """The steps, then finish. However they end (a stop, bad data, a second Ctrl-C), the watchdog stops and the
+        signals are given back: train.main may run inside another program, which the watchdog would end."""
         try:
             while self.state.step < self.run.tc.steps:
                 if self.step():
                     break
             self.complete()
+            return self.finish()
         except KeyboardInterrupt:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt(self.abandon()) from None
-        return self.finish()
+        finally:
+            self.guard.close()
+            self.alerts.close()
 
     def abandon(self) -> str:
         """Give up the checkpoint being written, if any, removing its partial files: what a second Ctrl-C says."""
@@ -1575,8 +1580,6 @@ class Loop:
     def stop(self, message: str, error: type = Stopped):
         """Stop the run with one sentence, reported as the event `stopped` first."""
         self.alerts.event("stopped", self.state.step, message)
-        self.guard.close()
-        self.alerts.close()
         raise error(message)
 
     def save(self, step: int, final: bool):
@@ -1665,7 +1668,7 @@ class Loop:
                            skipped_steps=state.skipped, rollbacks=state.rollbacks)
 
     def finish(self) -> dict:
-        """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
+        """The summary and a sample, then the sinks are closed; returns the run's losses."""
         tc = self.run.tc
         out = self.out
         step = self.state.step
@@ -1680,9 +1683,7 @@ class Loop:
                 say(summary)
         if tc.sample_tokens and out is not None and not self.guard.requested:
             sample(self.run, self.model, self.resolved["tokenizer"]["source"])
-        self.guard.close()
         self.sinks.close()
-        self.alerts.close()
         if self.lost:
             raise self.lost
         return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
