@@ -1695,7 +1695,7 @@ def sample(run: Run, model, tokenizer: str):
     them (no early stop), so that the ranks of a sharded model make the same forwards even if their draws differ."""
     enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
-    torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
+    torch.manual_seed(run.tc.seed)  # the same draws on every rank
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
     tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)[0].tolist()
