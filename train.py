@@ -55,8 +55,8 @@ CHANGEABLE = ("tokenizer", "data")  # what --allow_changed may name; the data or
 
 @dataclass
 class TrainConfig:
-    """Every field is a --flag=value option, checked by its rule when the config is made: one sentence for all bad
-    values, before anything runs. Sizes, batches and the layout are checked where they meet (parallel.Layout)."""
+    """Every field is a --flag=value option, checked by its rule when the config is made (one sentence for all bad
+    values); sizes, batches and the layout are checked where they meet (parallel.Layout)."""
     # model and data
     preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
     data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output (the default corpus is prepared when absent) "
@@ -108,7 +108,8 @@ class TrainConfig:
     ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
     keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
-                                        "one all-gather per step, not two per micro-batch, for the whole model's memory")
+                                        "one all-gather per step, not two per micro-batch, for the whole model's "
+                                        "memory")
     compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
     # logging and evaluation
@@ -150,10 +151,10 @@ class TrainConfig:
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
     # unattended runs: spikes, rollbacks, events
     spike_threshold: float = option(10.0, "a step whose loss or gradient norm exceeds the median of the last "
-                                         "--spike_window applied steps by this many robust deviations (1.4826 x "
-                                         "their median absolute deviation, at least 0.02 x the median) is a spike, "
-                                         "skipped with its batch; right after a resume, a loss 10 times as far means "
-                                         "a damaged checkpoint (0: both off)", OFF_OR_MORE)
+                                          "--spike_window applied steps by this many robust deviations (1.4826 x "
+                                          "MAD, at least 0.02 x the median) is a spike, skipped with its batch; right "
+                                          "after a resume, 10 times as far means a damaged checkpoint (0: both off)",
+                                    OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span; spikes are judged once it is full",
                                at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
@@ -175,7 +176,7 @@ class TrainConfig:
                                   "non-finite guard")
     spike_at_step: str = option("", "fault drill: the batches of these data steps (comma-separated) scale the "
                                     "gradients 100 times, for the spike guard",
-                                Rule(lambda v, _: all(n.strip().isdigit() for n in v.split(",")) if v else True,
+                                Rule(lambda v, _: not v or all(n.strip().isdigit() for n in v.split(",")),
                                      "empty or step numbers separated by commas"))
     skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
 
@@ -184,7 +185,7 @@ class TrainConfig:
         log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
 
 
-# --- command line: every TrainConfig field and every ModelConfig field is a --flag=value option
+# --- command line: every TrainConfig and ModelConfig field is a --flag=value option
 
 MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
 
@@ -227,17 +228,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
                                                       "with [train] and [model] tables; flags given here override it")
     model_group = parser.add_argument_group("model overrides (default: the preset's value)")
-    tables = {"train": fields(TrainConfig), "model": MODEL_FIELDS.values()}
-    settings = {f"{table}.{f.name}": f for table, flags in tables.items() for f in flags}  # "train.lr": its field
-    for table, flags in tables.items():
-        for f in flags:
-            kind = _kind(f)
-            shown = f" (default: {f.default})" if table == "train" else ""
-            (parser if table == "train" else model_group).add_argument(
-                f"--{f.name}", type=f.metadata.get("parse") or (_parse_bool if kind is bool else kind),
-                default=argparse.SUPPRESS,
-                help=f.metadata.get("help", f"ModelConfig.{f.name}") + shown,
-                **({"nargs": "?", "const": True} if kind is bool else {}))
+    settings = {f"train.{f.name}": f for f in fields(TrainConfig)} | {f"model.{f.name}": f for f in fields(ModelConfig)}
+    for key, f in settings.items():  # "train.lr": its field
+        kind = _kind(f)
+        train_flag = key.startswith("train.")
+        shown = f" (default: {f.default})" if train_flag else ""  # a model field's default is the preset's
+        (parser if train_flag else model_group).add_argument(
+            f"--{f.name}", type=f.metadata.get("parse") or (_parse_bool if kind is bool else kind),
+            default=argparse.SUPPRESS, help=f.metadata["help"].replace("%", "%%") + shown,  # argparse formats with %
+            **({"nargs": "?", "const": True} if kind is bool else {}))
     given = vars(parser.parse_args(argv))  # only what the command line says (SUPPRESS: no defaults)
     config_path = given.pop("config")
     try:
@@ -246,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
             from_file = {k: v for k, v in from_file.items() if k not in MODEL_FIELDS}
         values = {**from_file, **given}
         tc = TrainConfig(**{f.name: values[f.name] for f in fields(TrainConfig) if f.name in values})
-    except ValueError as e:  # a bad config file, a value out of its range or choices (FLAG_CHECKS), or --log_to
+    except ValueError as e:  # a bad config file, a value its rule refuses, or --log_to
         parser.error(str(e))
     overrides = {k: values[k] for k in MODEL_FIELDS if k in values}
     if tc.compile is None:
@@ -259,8 +258,8 @@ TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in fields(TrainConfig)] + [f"-
 
 
 def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags: a mistyped flag of
-    either kind names the closest one."""
+    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags (a mistyped one
+    names the closest)."""
     args, rest = parser.parse_known_args(argv)
     refuse_unknown(parser, [word for word in rest if word.startswith("-")], also=TRAIN_FLAGS, aliases=OTHER_NAMES)
     return args, rest
@@ -294,9 +293,9 @@ def config_file(path: str) -> dict:
 
 
 def read_config(path: str, settings: dict) -> dict:
-    """The flag values a config file sets, with the types the command line's flags have: a run's config.json, whose
-    model table rebuilds that model (vocab_size and max_seq_len too) whatever the preset now says, or TOML with the
-    same [train] and [model] tables. ValueError, one sentence, for an unknown key or a value of the wrong type."""
+    """The flag values a config file sets, typed as the flags are (a config.json's model table rebuilds that model,
+    vocab_size and max_seq_len too, whatever the preset now says). ValueError, one sentence, for an unknown key or a
+    value of the wrong type."""
     entries = {}  # "train.lr": 0.01, ...
     for key, value in config_file(path).items():
         if key in ("train", "model") and isinstance(value, dict):
@@ -354,11 +353,11 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     if tc.decay == "wsd":
         decay_start = int(tc.steps * (1 - tc.wsd_decay_frac))
         progress = max(0.0, (step - decay_start) / max(1, tc.steps - 1 - decay_start))
-        return tc.lr - (tc.lr - floor) * progress
-    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.steps - 1 - tc.warmup_steps))
-    if tc.decay == "linear":
-        return tc.lr - (tc.lr - floor) * progress
-    return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.steps - 1 - tc.warmup_steps))
+    if tc.decay == "cosine":
+        return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return tc.lr - (tc.lr - floor) * progress
 
 
 # Dense bf16 peaks in TFLOP/s, for MFU (unknown devices report n/a). B300's gains are in FP4, not bf16.
@@ -372,15 +371,15 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 
 def state_copies(tc: TrainConfig) -> int:
-    """fp32 copies of the weights training keeps at least: weights, gradients and the optimizer's moments (AdamW two;
-    Muon one for the hidden matrices, which are nearly all of them)."""
+    """fp32 copies of the weights training keeps: weights, gradients and the optimizer's moments (AdamW two; Muon one,
+    for the hidden matrices, which are nearly all of them)."""
     return 4 if tc.optimizer == "adamw" else 3
 
 
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask: bool) -> float:
-    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks; attention
-    kept within documents as training keeps it (doc_mask)."""
+    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks, with
+    training's doc_mask."""
     model.eval()
     total = torch.zeros((), device=next(model.parameters()).device)
     count = 0
@@ -403,18 +402,16 @@ def phase(name: str):
 
 @dataclass
 class TrainState:
-    """What the loop carries from step to step besides model and optimizer: the next step, each MoE layer's balancing
-    momentum [L, E], the steps skipped (in all; non-finite ones in a row), the data steps skipped ([start, end)
-    windows of the loader's steps, sorted and disjoint), the [loss, grad norm] of the last applied steps (the spike
-    statistics), the recent spikes' [step, data step] and the rollbacks made. Checkpoints hold all but bad_steps."""
-    step: int
-    momentum: torch.Tensor
-    skipped: int = 0
-    bad_steps: int = 0
+    """What the loop carries from step to step besides model and optimizer; checkpoints hold all but bad_steps and
+    resumed_world."""
+    step: int  # the next one
+    momentum: torch.Tensor  # each MoE layer's balancing momentum [L, E]
+    skipped: int = 0  # steps skipped, in all
+    bad_steps: int = 0  # non-finite steps in a row
     resumed_world: int = 0  # the world size of the launch that wrote the checkpoint resumed (0: a fresh run)
-    skipped_data: list = field(default_factory=list)
-    recent: list = field(default_factory=list)
-    spikes: list = field(default_factory=list)
+    skipped_data: list = field(default_factory=list)  # [start, end) windows of loader steps, sorted and disjoint
+    recent: list = field(default_factory=list)  # [loss, grad norm] of the last applied steps: the spike statistics
+    spikes: list = field(default_factory=list)  # the recent spikes' [step, data step]
     rollbacks: int = 0
 
     @classmethod
@@ -464,9 +461,9 @@ SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the media
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) above which a step is a spike: each one's median over `recent` ([loss, grad norm] of the
-    last applied steps) plus `threshold` robust deviations, 1.4826 x the median absolute deviation (a normal
-    distribution's standard deviation) or SPREAD_FLOOR x the median, whichever is larger."""
+    """(loss, gradient norm) above which a step is a spike: each one's median over `recent` plus `threshold` robust
+    deviations, the larger of 1.4826 x the median absolute deviation (a normal distribution's σ) and SPREAD_FLOOR x
+    the median."""
     limits = []
     for values in zip(*recent):
         median = statistics.median(values)
@@ -477,11 +474,10 @@ def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, grad_scale: float = 1.0,
                limits: tuple[float, float] | None = None) -> dict:
-    """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update.
-    A non-finite step, or a spike (loss or gradient norm above `limits`), skips the update and the bias move.
-    `grad_scale`: a drill's factor on the gradients. Returns metrics: losses averaged over the global batch, the
-    global tokens-per-expert counts [L, E], each of the rank's sequences' LM loss [B], and why the step was skipped
-    (None, "non-finite" or "spike")."""
+    """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update;
+    a non-finite step, or a spike (loss or gradient norm above `limits`), skips the last two. `grad_scale`: a drill's
+    factor on the gradients. Returns the losses averaged over the global batch, the global tokens-per-expert counts
+    [L, E], each of the rank's sequences' LM loss [B], and why the step was skipped (None, "non-finite" or "spike")."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -551,7 +547,7 @@ def balance_metrics(counts_LE: torch.Tensor, layers) -> dict:
             "bias_norm_layers": [round(m.expert_bias.norm().item(), 6) for m in layers]}
 
 
-# --- metrics sinks: TensorBoard and Weights & Biases besides OUT_DIR/metrics.jsonl (--log_to), written by rank 0
+# --- metrics: OUT_DIR/metrics.jsonl, and TensorBoard or W&B with --log_to, written by rank 0
 
 LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
@@ -580,7 +576,7 @@ def _logged_step(line: str) -> float:
 
 def write_config(out_dir: Path, resolved: dict, start_step: int):
     """OUT_DIR/config.json: this launch's config and the step it applies from. A resumed run whose settings (or
-    layout) changed first appends the config before to config_history.jsonl: every config a run trained with is kept."""
+    layout) changed first appends the previous one to config_history.jsonl."""
     path = out_dir / "config.json"
     if start_step and path.exists():
         before = json.loads(path.read_text())
@@ -605,10 +601,9 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
 
 
 class MetricsSinks:
-    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (None left out,
-    per-layer lists as KEY/00, ..., per-source dicts as KEY/PATH). A resumed run logs the steps after its checkpoint
-    again: metrics.jsonl is cut there, TensorBoard hides the dead launch's events past it (purge_step), W&B continues
-    the same run (id in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (scalars_of). A
+    resumed run logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead
+    launch's events past it (purge_step), W&B continues the same run (id in OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
@@ -632,8 +627,7 @@ class MetricsSinks:
             id_file.write_text(self.wandb.id)
 
     def rewind(self, step: int) -> int:
-        """Forget what was logged after `step`: a resumed or rolled back run logs those steps again. Returns how many
-        records it forgot."""
+        """Forget the records after `step`, which a resumed or rolled back run logs again; returns how many."""
         forgotten = 0
         if self.path is not None and self.path.exists():
             cut = Path(f"{self.path}.tmp")
@@ -681,19 +675,24 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def restarts() -> int:
+    """How many times torchrun restarted this job (0: its first launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 class Alerts:
-    """Rank 0 keeps OUT_DIR/status.json (the run's latest numbers and its last event, rewritten whole when the loop
-    begins, at each log line, checkpoint and event) and runs --on_event's command on each event, in the background
-    with the event in its environment; a command still running after EVENT_TIMEOUT_S is killed, and a failure is said,
-    never raised. Events: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full,
-    stopped, finished, world_size_change, straggler, hang; any part of train.py may report another with event()."""
+    """Rank 0 keeps OUT_DIR/status.json (the latest numbers and the last event, rewritten whole at the loop's start,
+    each log line, checkpoint and event) and runs --on_event's command in the background on each event: restart,
+    resume, spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished,
+    world_size_change, straggler, hang. A command still running after EVENT_TIMEOUT_S is killed; a failure is said,
+    never raised."""
 
     def __init__(self, run: "Run"):
         tc = run.tc
         self.master = run.master
         self.command = tc.on_event
         self.out_dir = tc.out_dir
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts of this job
+        self.restarts = restarts()
         self.status = None  # written once the loop begins: a launch with nothing to do writes nothing
         self.last_event = None
         self.waiting = []
@@ -751,10 +750,10 @@ class Alerts:
 class Guard:
     """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
     step in flight, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`,
-    the watchdog dumps every thread's stack, writes the hang report (report_hang, into `hang_dir`) and exits 3, so
-    torchrun restarts the job from the newest checkpoint."""
+    the watchdog dumps every thread's stack, writes report_hang's report into `hang_dir` and exits 3, so torchrun
+    restarts the job from the newest checkpoint."""
 
-    def __init__(self, timeout_s: float, hang_dir: str | None = None, alerts: "Alerts | None" = None):
+    def __init__(self, timeout_s: float, hang_dir: str, alerts: Alerts):
         self.requested = self.interrupted = False
         self.alerts = alerts
         self.previous = {sig: signal.signal(sig, self._signal)
@@ -780,19 +779,16 @@ class Guard:
     def _watch(self):
         while not self.stopped.wait(min(5.0, self.timeout_s / 4)):
             if time.time() - self.last_beat > self.timeout_s:
-                print(f"watchdog: no step completed for {self.timeout_s:.0f}s after step {self.step}; "
-                      f"stacks of every thread follow, then exit 3", file=sys.stderr, flush=True)
+                stalled = f"watchdog: no step completed for {self.timeout_s:.0f}s after step {self.step}"
+                print(f"{stalled}; stacks of every thread follow, then exit 3", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 verdict = None
-                if self.hang_dir:
-                    try:
-                        verdict = report_hang(self.hang_dir, self.step, self.timeout_s)
-                    except Exception as e:  # an unwritable OUT_DIR must not keep the process from exiting
-                        print(f"watchdog: no hang report ({e})", file=sys.stderr, flush=True)
-                if self.alerts is not None:
-                    self.alerts.event("hang", self.step, verdict or f"watchdog: no step completed for "
-                                                                   f"{self.timeout_s:.0f}s after step {self.step}")
+                try:
+                    verdict = report_hang(self.hang_dir, self.step, self.timeout_s)
+                except Exception as e:  # an unwritable OUT_DIR must not keep the process from exiting
+                    print(f"watchdog: no hang report ({e})", file=sys.stderr, flush=True)
+                self.alerts.event("hang", self.step, verdict or stalled)
                 if verdict and parallel.rank_world()[1] > 1:
                     dist.distributed_c10d._get_default_store().set("hang/said", "1")
                 sys.stdout.flush()
@@ -833,8 +829,8 @@ def collectives() -> dict:
 
 
 def hang_verdict(records: dict[int, dict], world: int) -> str:
-    """Rank 0's sentence on a hang from the ranks' records ({rank: collectives() and host}): for each process group in
-    which a rank waits, the group's ranks that never entered that collective; and the ranks that sent no record."""
+    """Rank 0's sentence on a hang from the ranks' records ({rank: collectives() and host}): in each process group
+    where a rank waits, the ranks that never entered that collective; then the ranks that sent no record."""
     def named(ranks) -> str:
         return ", ".join(f"rank {r}" + (f" ({records[r]['host']})" if r in records else "") for r in ranks)
 
@@ -845,17 +841,16 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
     found = []
     for (name, ranks), views in sorted(groups.items()):
         waiting = {r: v["entered"] for r, v in views.items() if v["entered"] > v["completed"]}
-        if not waiting:
-            continue
-        seq = max(waiting.values())
+        seq = max(waiting.values(), default=-1)
         behind = [r for r in ranks if r in views and views[r]["entered"] < seq]
+        if not behind:
+            continue
         op = next((e["op"] for r in waiting for e in records[r].get("last", [])
                    if e["group"] == name and e["seq"] == seq), "collective")
         waiters = [r for r in waiting if waiting[r] == seq]
-        if behind:
-            found.append(f"{named(behind)} never reached {op} #{seq} of process group {name} (ranks "
-                         f"{', '.join(map(str, ranks))}), in which {named(waiters)} "
-                         f"{'waits' if len(waiters) == 1 else 'wait'}")
+        found.append(f"{named(behind)} never reached {op} #{seq} of process group {name} (ranks "
+                     f"{', '.join(map(str, ranks))}), in which {named(waiters)} "
+                     f"{'waits' if len(waiters) == 1 else 'wait'}")
     missing = [r for r in range(world) if r not in records]
     if missing:
         found.append(f"{named(missing)} sent no record (stuck holding the interpreter, or gone)")
@@ -978,9 +973,17 @@ class Lease:
             os.remove(self.path)
 
 
+def rank0s(value):
+    """Rank 0's `value`, on every rank."""
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
-    """Make OUT_DIR (one sentence if it cannot be written) and take its lease on rank 0: the same sentence on every
-    rank when another job holds it."""
+    """Make OUT_DIR and take its lease on rank 0; one sentence, on every rank, if it cannot be written or another
+    job holds it."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -989,16 +992,15 @@ def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
     lease = None
-    refusal = [None]
+    refusal = None
     if master:
         try:
             lease = Lease(tc.out_dir, tc.lease_wait)
         except ValueError as e:
-            refusal = [str(e)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(refusal, src=0)
-    if refusal[0]:
-        raise ValueError(refusal[0])
+            refusal = str(e)
+    refusal = rank0s(refusal)
+    if refusal:
+        raise ValueError(refusal)
     return lease
 
 
@@ -1007,7 +1009,7 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     continues it, --overwrite replaces it, a job torchrun restarted continues its first attempt. Returns the config
     and what to resume from (a checkpoint, the root, or None)."""
     root = os.path.join(tc.out_dir, "checkpoints")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted this job
+    restarted = restarts() > 0
     if restarted and checkpoint.latest(root):  # it continues from its own newest checkpoint
         return dataclasses.replace(tc, resume="auto"), root
     if tc.init_from_hf and tc.resume not in ("auto", "none"):
@@ -1051,10 +1053,7 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: Tr
     else:
         saved = checkpoint.load(resume_from, targets, config=resolved) if resume_from else None
     if saved is None:
-        run_id = [uuid.uuid4().hex[:12]]  # rank 0's, so that every rank names the run alike
-        if dist.is_initialized():
-            dist.broadcast_object_list(run_id, src=0)
-        resolved["run_id"] = run_id[0]
+        resolved["run_id"] = rank0s(uuid.uuid4().hex[:12])  # every rank names the run alike
         return tc
     state.load(saved)
     resolved["run_id"] = saved.get("run_id")
@@ -1083,8 +1082,8 @@ def autocast_for(tc: TrainConfig, device: torch.device):
 
 @dataclass
 class Run:
-    """Where and how a run computes, settled on every rank before anything heavy is built: its config, the model's
-    config, the layout of the ranks (checked before any collective), this rank, its device and precision."""
+    """Where and how a run computes, settled on every rank before anything heavy is built (the layout checked before
+    any collective)."""
     tc: TrainConfig
     cfg: ModelConfig
     layout: parallel.Layout
@@ -1092,38 +1091,23 @@ class Run:
     device: torch.device
     autocast: contextlib.AbstractContextManager
     dtype: torch.dtype | None
-    lease: Lease | None  # OUT_DIR's, held by rank 0
 
     @classmethod
-    def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device,
-           lease: Lease | None = None) -> "Run":
+    def on(cls, tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> "Run":
         layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
         tc = with_batch_defaults(tc, layout.world)
         layout.check(cfg, tc.global_batch, tc.micro_batch)
-        return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device), lease)
+        return cls(tc, cfg, layout, rank, device, *autocast_for(tc, device))
 
     @property
     def master(self) -> bool:
         return self.rank == 0
 
 
-def setup(tc: TrainConfig, overrides: dict) -> tuple[Run, dict, str | None]:
-    """Ranks, OUT_DIR (one run per directory), the data, the model config and the layout. Returns the run, its config
-    as config.json and every checkpoint keep it (resume adds the run id), and what to resume from (prepare_out_dir)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
-    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
-    lease = hold_out_dir(tc, rank == 0)
-    try:
-        return prepare(tc, overrides, rank, world, device, lease)
-    except BaseException:
-        if lease is not None:
-            lease.release()
-        raise
-
-
-def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: torch.device,
-            lease: Lease | None) -> tuple[Run, dict, str | None]:
+def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
+            device: torch.device) -> tuple[Run, dict, str | None]:
+    """OUT_DIR's run (one per directory), the data, the model config and the layout. Returns the run, its config as
+    config.json and every checkpoint keep it (resume adds the run id), and what to resume from."""
     tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
@@ -1143,7 +1127,7 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
                 "tokenizer": {"name": tokenizer["tokenizer"],
                               "source": tokenizer.get("tokenizer_path", tokenizer["tokenizer"])},
                 "data": mixture.identity()}
-    run = Run.on(tc, cfg, rank, world, device, lease)
+    run = Run.on(tc, cfg, rank, world, device)
     if resume_from:
         compare_settings(resume_from, resolved)
     return run, resolved, resume_from
@@ -1158,14 +1142,6 @@ SETTINGS = [f"train.{name}" for name in (
     "model.aux_loss_coef", "model.z_loss_coef"]
 
 
-def same_tokenizer(saved: dict, now: dict) -> bool:
-    """Whether a checkpoint's recorded tokenizer is this run's: data.same_tokenizer, by the recorded name alone when
-    the checkpoint's tokenizer folder is gone."""
-    try:
-        return data.same_tokenizer(saved["source"], now["source"])
-    except data.DataError:
-        return saved["name"] == now["name"]
-
 
 def compare_settings(resume_from: str, resolved: dict):
     """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
@@ -1173,26 +1149,32 @@ def compare_settings(resume_from: str, resolved: dict):
     accident); the seed, sequence length and global batch fix which tokens each step reads, so they cannot change."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     tc = resolved["train"]
-
-    def value(config: dict, key: str):
+    changed = {}
+    for key in SETTINGS:
         table, name = key.split(".")
-        return config.get(table, {}).get(name)
-
-    changed = {key.split(".")[1]: (value(saved, key), value(resolved, key)) for key in SETTINGS
-               if value(saved, key) is not None and value(saved, key) != value(resolved, key)}
+        old = saved.get(table, {}).get(name)
+        if old is not None and old != resolved[table][name]:
+            changed[name] = (old, resolved[table][name])
     if "data" in saved:  # the same data prepared elsewhere is the same data: its path may move
         changed.pop("data", None)
         if saved["data"]["fingerprint"] != resolved["data"]["fingerprint"]:
             changed["data"] = (saved["train"]["data"], tc["data"])
-    if "tokenizer" in saved and not same_tokenizer(saved["tokenizer"], resolved["tokenizer"]):
-        changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
+    if "tokenizer" in saved:
+        old = saved["tokenizer"]
+        try:
+            same = data.same_tokenizer(old["source"], resolved["tokenizer"]["source"])
+        except data.DataError:  # the checkpoint's tokenizer folder is gone: its recorded name alone
+            same = old["name"] == resolved["tokenizer"]["name"]
+        if not same:
+            changed["tokenizer"] = (old["name"], resolved["tokenizer"]["name"])
     if not changed:
         return
     allowed = [name.strip() for name in tc["allow_changed"].split(",") if name.strip()]
     for name in ("seed", "seq_len", "global_batch"):
         if name in changed:
             raise ValueError(f"--{name}={changed[name][1]} differs from the {changed[name][0]} of checkpoint {path}, "
-                             f"which fixes the data order; resume with --{name}={changed[name][0]}, or start a new run.")
+                             f"which fixes the data order; resume with --{name}={changed[name][0]}, or start a new "
+                             f"run.")
     for name in CHANGEABLE:
         if name in changed and name not in allowed:
             raise ValueError(f"--{name}={changed[name][1]} is not the {name} checkpoint {path} was trained on "
@@ -1206,8 +1188,7 @@ def compare_settings(resume_from: str, resolved: dict):
 
 
 def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
-    """This rank's train loader, and a validation loader for each source that has a val split, by its path (none: a
-    directory prepared with --val_fraction=0, a Megatron-LM dataset)."""
+    """This rank's train loader, and a validation loader by path for each source that has a val split."""
     tc = run.tc
 
     def loader(spec: str, split: str) -> data.DataLoader:
@@ -1226,8 +1207,8 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
 
 
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer): the model built on meta, sharded over the layout's mesh, then initialised shard by shard.
-    `copies`: the fp32 copies of the weights the memory check counts (default: state_copies)."""
+    """(model, optimizer): the model built on meta, sharded over the layout's mesh, then initialised shard by shard;
+    the memory check counts `copies` fp32 copies of the weights (default: state_copies)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
@@ -1235,30 +1216,18 @@ def build(run: Run, copies: int | None = None):
     return model, parallel.build_optimizer(model, run.tc)
 
 
-def flops_per_token(run: Run) -> float:
-    """Said with the model's size; counted on an unsharded twin on the meta device."""
-    twin = meta_model(run.cfg)
-    n = twin.num_params()
-    flops = twin.flops_per_token(run.tc.seq_len)
-    say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, "
-            f"{flops / 1e6:.1f} MFLOP/token")
-    return flops
-
-
 SPIKE_DRILL_SCALE = 100.0  # --spike_at_step's factor on the gradients
 
 
 class Drills:
-    """The faults a run injects on purpose, to show it survives them: a dying rank (torchrun restarts the job, which
-    resumes), a hung rank (the watchdog and its hang report), NaN gradients (the non-finite guard), a gradient spike
-    (the spike guard), a collapsed router (expert balancing), a slow rank (the straggler report). The first two fire
-    on the first launch only, so the restarted job can finish; the NaN and spike drills fire on the batch of a data
-    step, as bad data would: a skipped batch is not read again."""
+    """The faults a run injects on purpose (the flags that say "drill"), to show it survives them. A dying or hung
+    rank only on the first launch, so the restarted job can finish; NaN and spike on the batch of a data step, as bad
+    data would: a skipped batch is not read again."""
 
     def __init__(self, run: Run):
-        self.run = run
         self.tc = run.tc
-        self.first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self.rank = run.rank
+        self.doomed = restarts() == 0 and run.rank == run.layout.world - 1  # the rank the crash and stall drills stop
         self.spike_at = {int(n) for n in self.tc.spike_at_step.split(",") if n.strip()}
 
     def skew_router(self, model):
@@ -1269,7 +1238,7 @@ class Drills:
     def before_step(self, step: int, data_step: int) -> float:
         """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); returns
         the factor on this step's gradients: NaN with --nan_at_step, SPIKE_DRILL_SCALE with --spike_at_step, else 1."""
-        if step == self.tc.stall_at_step and self.first_launch and self.run.rank == self.run.layout.world - 1:
+        if step == self.tc.stall_at_step and self.doomed:
             time.sleep(10 * self.tc.step_timeout + 60)
         if data_step == self.tc.nan_at_step:
             return math.nan
@@ -1277,14 +1246,13 @@ class Drills:
 
     def straggle(self, seconds: float):
         """--straggle_rank: that rank sleeps `seconds`, as long as its own work of the step took."""
-        if self.run.rank == self.tc.straggle_rank:
+        if self.rank == self.tc.straggle_rank:
             time.sleep(seconds)
 
     def after_step(self, step: int):
         """--crash_at_step: the last rank exits abruptly after this step."""
-        rank = self.run.rank
-        if step + 1 == self.tc.crash_at_step and self.first_launch and rank == self.run.layout.world - 1:
-            print(f"crash drill: rank {rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
+        if step + 1 == self.tc.crash_at_step and self.doomed:
+            print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
 
 
@@ -1295,9 +1263,8 @@ STEP_PARTS = ("data", "compute", "wait")
 
 class StepTimes:
     """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
-    its own step) and wait (blocked in the step's closing all-reduce until the slowest rank arrives). FSDP's gathers
-    inside the step also wait for a late rank, and that wait counts as compute: a rank late before them (a slow read)
-    shows in its data time while every rank's compute grows alike."""
+    its own step) and wait (in the step's closing all-reduce, for the slowest rank). A wait in FSDP's gathers counts as
+    compute: a rank late before them (a slow read) shows in its data time while every rank's compute grows alike."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1312,8 +1279,7 @@ class StepTimes:
         self.steps += 1
 
     def gather(self, threshold: float) -> tuple[dict, str | None]:
-        """Every rank's mean seconds per step since the last call, gathered in one all-reduce: slowest()'s record and
-        sentence."""
+        """slowest() of every rank's mean seconds per step since the last call, gathered in one all-reduce."""
         times_RP = torch.zeros(self.run.layout.world, len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
         times_RP[self.run.rank] = self.sums_P / max(self.steps, 1)
         parallel.all_reduce_sum_(times_RP)
@@ -1352,12 +1318,10 @@ DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than 
 
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint). A step that is skipped (non-finite, or a spike) changes nothing and its batch is
+    preemption (after a checkpoint). A skipped step (non-finite, or a spike: skip) changes nothing and its batch is
     skipped data: the same step is taken again on the next batch, so the step counts updates and the LR schedule
-    follows it. --max_bad_steps non-finite steps in a row stop the run; a burst of spikes rolls back (rollback); right
-    after a resume, a loss far beyond what the checkpoint recorded falls back to the checkpoint before (fall_back). A
-    checkpoint write that fails (a full disk) is said in one line and the run goes on from the previous one; the final
-    one's failure is raised."""
+    follows it. A checkpoint write that fails (a full disk) is said in one line and the run goes on from the previous
+    one; the final one's failure is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
@@ -1402,20 +1366,26 @@ class Loop:
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
+        """The steps, then finish. However they end (a stop, bad data, a second Ctrl-C), the watchdog stops and the
+        signals are given back: train.main may run inside another program, which the watchdog would end."""
         try:
             while self.state.step < self.run.tc.steps:
                 if self.step():
                     break
             self.complete()
+            return self.finish()
         except KeyboardInterrupt:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt(self.abandon()) from None
-        return self.finish()
+        finally:
+            self.guard.close()
+            self.alerts.close()
 
     def abandon(self) -> str:
         """Give up the checkpoint being written, if any, removing its partial files: what a second Ctrl-C says."""
         newest = checkpoint.latest(self.ckpt_root) or "none"
         if self.writing is None:
-            return f"interrupted again: stopped at once in step {self.state.step + 1}; the newest checkpoint is {newest}"
+            return (f"interrupted again: stopped at once in step {self.state.step + 1}; the newest checkpoint is "
+                    f"{newest}")
         partial = checkpoint.abandon(self.ckpt_root, self.writing)
         return (f"interrupted again: checkpoint step_{self.writing:08d} abandoned before it was complete (its partial "
                 f"files {partial} removed); the newest checkpoint is {newest}")
@@ -1440,10 +1410,9 @@ class Loop:
         if run.device.type == "cuda":
             torch.cuda.synchronize()  # the device's compute, not only the host's launches
         t_compute = time.perf_counter()
-        # One all-reduce for the loop's decisions, which closes the step (each rank's wait for the slowest): a
-        # preemption signal on any rank, a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is
-        # due, and the global batch's token-id sum (a checksum of the data stream, for metrics.jsonl; float64 keeps
-        # integers below 2**53 exact); then each source's summed loss.
+        # One all-reduce for the loop's decisions closes the step (each rank waits for the slowest): a preemption signal
+        # or a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is due, the global batch's
+        # token-id sum (a checksum of the data stream; float64 keeps integers below 2**53 exact), each source's loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         source_B = torch.as_tensor(self.loader.sources_of(data_step), device=run.device)
@@ -1517,16 +1486,21 @@ class Loop:
         self.sinks.write(record)
 
     def skip(self, step: int, data_step: int, out: dict, limits: tuple[float, float], damaged_above: float):
-        """A skipped step: a damaged checkpoint falls back; otherwise its batch joins the skipped data, and too many
+        """A skipped step: a damaged checkpoint falls back; otherwise its batch is skipped data, and too many
         non-finite steps in a row stop the run, too many spikes roll it back."""
         tc = self.run.tc
         state = self.state
-        values = f"loss {out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}"
         if out["loss"] > damaged_above:
-            return self.fall_back(step, values, damaged_above)
+            return self.fall_back(step, out, damaged_above)
         state.skip_data(data_step, data_step + 1)
         if out["skipped"] == "non-finite":
-            return self.non_finite(step)
+            say(f"step {step + 1}: non-finite loss or gradient norm; step skipped with its batch "
+                f"({state.bad_steps} in a row, {state.skipped} skipped in total)")
+            if state.bad_steps >= tc.max_bad_steps:
+                self.stop(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; the last good "
+                          f"checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr or inspect the "
+                          f"data of these steps, then resume")
+            return
         state.spikes = [s for s in state.spikes if s[0] > step - tc.spike_window] + [[step, data_step]]
         self.alerts.event("spike", step + 1, f"step {step + 1}: spike (loss {out['loss']:.4g}, limit {limits[0]:.4g}; "
                                              f"gradient norm {out['grad_norm']:.4g}, limit {limits[1]:.4g}: the "
@@ -1550,16 +1524,6 @@ class Loop:
         return {"tokens_by_source": {path: int(n) * self.run.tc.seq_len for path, n in zip(paths, counts_S)},
                 "loss_by_source": {path: loss / n for path, loss, n in zip(paths, loss_S, counts_S) if n},
                 "epochs_by_source": {path: round(float(e), 4) for path, e in zip(paths, epochs_S)}}
-
-    def non_finite(self, step: int):
-        """Said for a non-finite step; too many in a row stop the run."""
-        state = self.state
-        say(f"step {step + 1}: non-finite loss or gradient norm; step skipped with its batch "
-            f"({state.bad_steps} in a row, {state.skipped} skipped in total)")
-        if state.bad_steps >= self.run.tc.max_bad_steps:
-            self.stop(f"{state.bad_steps} non-finite steps in a row, the last at step {step + 1}; the last good "
-                      f"checkpoint is {checkpoint.latest(self.ckpt_root) or 'none'}; lower --lr or inspect the data "
-                      f"of these steps, then resume")
 
     def rollback(self, step: int, data_step: int):
         """A burst of spikes, PaLM's recipe: back to the newest checkpoint before the first, the data from the first
@@ -1586,11 +1550,11 @@ class Loop:
                                                   f"at most {tc.max_rollbacks}); data steps {first_data} to "
                                                   f"{data_step} are skipped")
 
-    def fall_back(self, step: int, values: str, damaged_above: float):
+    def fall_back(self, step: int, out: dict, damaged_above: float):
         """The checkpoint just loaded makes a loss far beyond those it recorded: damaged; the one before it loads."""
-        damaged = (f"step {step + 1}, the first after loading the checkpoint of step {step}, has {values}, far beyond "
-                   f"the loss {damaged_above:.4g} its recorded losses allow: that checkpoint looks damaged and is not "
-                   f"trained on")
+        damaged = (f"step {step + 1}, the first after loading the checkpoint of step {step}, has loss "
+                   f"{out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}, far beyond the loss {damaged_above:.4g} "
+                   f"its recorded losses allow: that checkpoint looks damaged and is not trained on")
         path = self.reload(step - 1)
         if path is None:
             self.stop(f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start again with "
@@ -1598,8 +1562,8 @@ class Loop:
         self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
 
     def reload(self, up_to: int, history: dict | None = None) -> str | None:
-        """Load the newest checkpoint of a step at most `up_to` that loads, as a resume does, with `history` (train
-        state keys) laid over its train state; its path (None: there is none)."""
+        """Load the newest checkpoint of a step at most `up_to` that loads, `history` (train state keys) laid over its
+        train state; returns its path (None: there is none)."""
         self.complete()
         path, saved = checkpoint.load_latest(self.ckpt_root, {"model": self.model, "optim": self.optimizer,
                                                               "train": self.state.tensors()}, self.resolved, say,
@@ -1616,8 +1580,6 @@ class Loop:
     def stop(self, message: str, error: type = Stopped):
         """Stop the run with one sentence, reported as the event `stopped` first."""
         self.alerts.event("stopped", self.state.step, message)
-        self.guard.close()
-        self.alerts.close()
         raise error(message)
 
     def save(self, step: int, final: bool):
@@ -1650,8 +1612,7 @@ class Loop:
         finally:
             self.pending = None
             self.writing = None
-        say(f"checkpoint step_{self.ckpt_step:08d} complete, "
-                     f"{time.time() - self.ckpt_time:.1f}s after it began")
+        say(f"checkpoint step_{self.ckpt_step:08d} complete, {time.time() - self.ckpt_time:.1f}s after it began")
         if self.run.master:
             self.report()  # its newest checkpoint
             self.check_disk()
@@ -1677,9 +1638,7 @@ class Loop:
         tc = self.run.tc
         device = self.run.device
         out = self.out
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)
+        dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)  # the step synchronised the device
         self.t_last = time.time()
         self.logged_step = step + 1
         tok_s = self.tokens_per_step / dt
@@ -1689,11 +1648,9 @@ class Loop:
         # A launch's first step (compilation, cold caches) is recorded but not judged.
         times, straggler = self.times.gather(tc.straggler_threshold if step > self.start_step else 0.0)
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
-        say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad "
-                     f"{out['grad_norm']:.3f} | {tok_s:,.0f} tok/s"
-                     f" | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
-                     f" | mem {'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f}"
-                     f" | eta {eta / 60:.1f}m")
+        say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad {out['grad_norm']:.3f} | "
+            f"{tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
+            f"{'n/a' if mem is None else f'{mem:.1f}GiB'} | maxvio {bal['max_vio']:.2f} | eta {eta / 60:.1f}m")
         if straggler:
             self.alerts.event("straggler", step + 1, straggler)
         self.report(loss=out["loss"], tokens_per_s=tok_s, mfu=mfu, eta_s=eta)
@@ -1711,7 +1668,7 @@ class Loop:
                            skipped_steps=state.skipped, rollbacks=state.rollbacks)
 
     def finish(self) -> dict:
-        """The summary and a sample, then the run's timers, signals and sinks are let go; returns the run's losses."""
+        """The summary and a sample, then the sinks are closed; returns the run's losses."""
         tc = self.run.tc
         out = self.out
         step = self.state.step
@@ -1726,9 +1683,7 @@ class Loop:
                 say(summary)
         if tc.sample_tokens and out is not None and not self.guard.requested:
             sample(self.run, self.model, self.resolved["tokenizer"]["source"])
-        self.guard.close()
         self.sinks.close()
-        self.alerts.close()
         if self.lost:
             raise self.lost
         return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
@@ -1740,7 +1695,7 @@ def sample(run: Run, model, tokenizer: str):
     them (no early stop), so that the ranks of a sharded model make the same forwards even if their draws differ."""
     enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
-    torch.manual_seed(run.tc.seed)  # every rank samples the same tokens (FSDP/EP need every rank in the forward)
+    torch.manual_seed(run.tc.seed)  # the same draws on every rank
     model.eval()
     allowed_V = checkpoint.decodable_ids(enc, run.cfg.vocab_size).to(run.device)
     tokens = model.generate(prompt, run.tc.sample_tokens, temperature=0.8, top_k=50, allowed_V=allowed_V)[0].tolist()
@@ -1750,12 +1705,15 @@ def sample(run: Run, model, tokenizer: str):
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached.
     OUT_DIR's lease is given back however the run ends (a process that dies leaves one that others take over)."""
-    run, resolved, resume_from = setup(tc, overrides)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
+    rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
+    lease = hold_out_dir(tc, rank == 0)
     try:
-        return train_run(run, resolved, resume_from)
+        return train_run(*prepare(tc, overrides, rank, world, device))
     finally:
-        if run.lease is not None:
-            run.lease.release()
+        if lease is not None:
+            lease.release()
 
 
 def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
@@ -1768,7 +1726,10 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     if tc.init_from_hf and resume_from is None:  # a restarted job resumes its own checkpoint instead
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
-    flops = flops_per_token(run)
+    twin = meta_model(run.cfg)  # counted unsharded, on the meta device
+    n = twin.num_params()
+    flops = twin.flops_per_token(tc.seq_len)
+    say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active, {flops / 1e6:.1f} MFLOP/token")
     drills = Drills(run)
     drills.skew_router(model)
     alerts = Alerts(run)

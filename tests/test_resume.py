@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -256,15 +257,27 @@ def test_watchdog_dumps_stacks_and_exits_3(corpus_dir, tmp_path):
     assert "Thread 0x" in err and 'File "' in err and "train.py" in err  # faulthandler's stacks, the hung frame
 
 
-def test_main_inside_a_program_leaves_no_watchdog_or_signal_handlers(corpus_dir, tmp_path):
+@pytest.mark.parametrize("failure", ["stopped", "bad data"])
+def test_main_inside_a_program_leaves_no_watchdog_or_signal_handlers(corpus_dir, tmp_path, failure):
     """train.main called from another program (a test, a notebook) gives the signals back and stops its watchdog,
-    which would otherwise end that program with exit code 3 once step_timeout passes; also when the run fails."""
+    which would otherwise end that program with exit code 3 once step_timeout passes; also when the run fails: it
+    stops itself, or a step reads a token id beyond the vocabulary."""
     signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     before = [signal.getsignal(s) for s in signals]
-    with pytest.raises(RuntimeError, match="non-finite steps in a row"):
-        train.main(*train.parse_args(args(corpus_dir, tmp_path, "--steps=2", "--nan_at_step=0", "--max_bad_steps=1")))
+    threads = set(threading.enumerate())
+    flags = ["--nan_at_step=0", "--max_bad_steps=1"]
+    error = "non-finite steps in a row"
+    if failure == "bad data":
+        corpus_dir = shutil.copytree(corpus_dir, tmp_path / "data")
+        manifest = data.load_manifest(str(corpus_dir))
+        shard = corpus_dir / manifest["splits"]["train"][0]["file"]
+        np.memmap(shard, np.dtype(manifest["dtype"]), "r+", offset=data.HEADER_BYTES)[:] = 200_000
+        flags = []
+        error = "holds token id 200000"
+    with pytest.raises((train.Stopped, data.DataError), match=error):
+        train.main(*train.parse_args(args(corpus_dir, tmp_path / "out", "--steps=2", *flags)))
     assert [signal.getsignal(s) for s in signals] == before
-    watchdogs = [t for t in threading.enumerate() if t.name.endswith("(_watch)")]
+    watchdogs = [t for t in threading.enumerate() if t not in threads and t.name.endswith("(_watch)")]
     for t in watchdogs:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in watchdogs)

@@ -51,6 +51,15 @@ def test_flags_cover_config_and_model_overrides():
     assert cfg.vocab_size == 200192 and cfg.max_seq_len == 512
 
 
+def test_help_lists_every_flag_with_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert exit_.value.code == 0
+    assert "--lr LR peak learning rate (default: 0.005)" in shown
+    assert "layer i is global when (i+1) % global_every == 0" in shown  # a model field's help with a % in it
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--steps=0", "--beta1=1.5"], "error: --steps=0 must be at least 1; --beta1=1.5 must be at least 0 and below "
                                    "1."),
