@@ -91,8 +91,7 @@ def device_name(device: torch.device) -> str:
 
 
 def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int):
-    """This rank's rows of a random global batch as train.py's loader gives them: (tokens, targets, doc ids), each
-    [B, T], every row four documents cut at random."""
+    """This rank's rows of a random global batch, as train.py's loader gives them: [B, T] tokens, targets, doc ids."""
     g = torch.Generator().manual_seed(seed)
     tokens_BT = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=g)
     starts_BT = torch.zeros(global_batch, seq_len, dtype=torch.long)
@@ -158,9 +157,8 @@ def model_targets(model, blocks: bool = True) -> list:
 
 
 def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms} (an op's self
-    time charged to the innermost bench:: or step-label range around it, a backward op to its forward op's), {label:
-    {op or kernel: [calls, ms]}} (a component's fingerprint), the wall ms and {train_step phase: ms}."""
+    """fn run `steps` times, `targets` wrapped; per step {label: {fwd, bwd, total} ms} (an op's self time charged to its
+    innermost bench:: or step-label range, a backward op to its forward's), {label: {op: [calls, ms]}}, wall, phases."""
     on_device = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
@@ -232,8 +230,7 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
 
 
 def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
-    """profile() results as one: medians, each kernel's mean, the quartiles of a component's share of the step (a busy
-    machine stretches all alike)."""
+    """profile() results as one: medians, kernel means, quartiles of each share (a busy machine stretches all alike)."""
     zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
     table = {}
     for label in set().union(*(t for t, _, _, _ in runs)):
@@ -372,8 +369,8 @@ def environment(device: torch.device) -> dict:
                 "blas": str(b.cuda.preferred_blas_library())}
     else:
         env |= {"cpu capability": b.cpu.get_cpu_capability(), "mkldnn": b.mkldnn.enabled}
-    return env | {f"sdpa {k}": getattr(b.cuda, f"{k}_sdp_enabled")() for k in ("flash", "mem_efficient", "math",
-                                                                                 "cudnn")}
+    sdpa = ("flash", "mem_efficient", "math", "cudnn")
+    return env | {f"sdpa {k}": getattr(b.cuda, f"{k}_sdp_enabled")() for k in sdpa}
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -498,10 +495,9 @@ def relative(change: float, scale: float) -> float:
 
 
 def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
-    """The numbers' verdict on trajectory `new` against the baseline's `old`: the first step (0: the initial weights)
-    where a value moved beyond `tolerance` (0: the dtype's NUMERICS_TOLERANCE) relative to its baseline (a layer's
-    weight sum and norm: to its norm; rounding moves them by about 1e-7 in fp32, a changed norm epsilon or attention
-    precision by 1e-4 and more), with that step's values that moved; `moved` is None when nothing did."""
+    """The first step (0: the initial weights) where trajectory `new` moved from the baseline's `old` beyond `tolerance`
+    (0: the dtype's NUMERICS_TOLERANCE), relative (a layer's sum and norm: to its norm; rounding moves them ~1e-7 in
+    fp32, a changed norm epsilon or attention precision 1e-4 and more), and its values that moved; else None."""
     tolerance = tolerance or NUMERICS_TOLERANCE[new["dtype"]]
     verdict = {"moved": None, "tolerance": tolerance}
     if not old:
@@ -719,8 +715,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 
 def bench_data(args) -> dict:
-    """Tokens/s of data.prepare on standard-library source as JSONL against the tokenizer library's batch encoder on
-    the same documents in memory, for each --workers; per core too, which a busy machine inflates far less."""
+    """data.prepare's tokens/s on JSONL against the library's batch encoder's in memory, per --workers and per core."""
     import tempfile
 
     import data

@@ -57,8 +57,7 @@ from parallel import local, rank_world
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
 
-# ------------------------------------------------------------------------------------------------------------------
-# Our state-dict names <-> transformers' AfmoeForCausalLM names
+# --- Our state-dict names <-> transformers' AfmoeForCausalLM names
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _LAYER_KEYS = {  # ours -> transformers', inside layer i
@@ -88,8 +87,7 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Files
+# --- Files
 
 def _read_json(folder: str, name: str, expected: str = "a checkpoint written by this checkpoint.py") -> dict:
     if not os.path.isfile(os.path.join(folder, name)):
@@ -103,8 +101,7 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Finding and checking checkpoints
+# --- Finding and checking checkpoints
 
 MARKER = "COMPLETE"
 CHECKSUMS = "checksums.json"  # {file name: sha256} of every file the save wrote, written just before the marker
@@ -185,9 +182,8 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True):
-    """Raise CorruptCheckpoint naming the first bad file of complete checkpoint `path` unless each file is there, each
-    .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with `contents`,
-    every file has the sha256 it was written with. Every rank calls it, hashes every world-th file, raises alike."""
+    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file: missing, a .distcp shorter than its
+    tensors, bad JSON or .metadata, or (`contents`) a changed sha256. Every rank calls it, hashing every world-th."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -276,8 +272,7 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
     return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in known})
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Saving and loading training checkpoints
+# --- Saving and loading training checkpoints
 
 def _resolved_config(config: dict) -> dict:
     """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
@@ -521,8 +516,7 @@ def load(path: str, state: dict, config: dict | None = None) -> dict:
     return saved_state["train"]
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Hugging Face folders: export a checkpoint, import a model to start from
+# --- Hugging Face folders: export a checkpoint, import a model to start from
 
 def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
     """Refuse an out_dir that is a file, holds the checkpoint or (unless `overwrite`) holds files."""
@@ -633,8 +627,7 @@ def hf_config(hf_dir: str) -> ModelConfig:
 
 
 def load_hf_into(model, hf_dir: str):
-    """Fill `model`, plain or sharded, from a Hugging Face `afmoe` folder in place (any weight dtype). Every rank calls
-    it and reads its shards' rows only (DCP's Hugging Face reader)."""
+    """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, each rank its shards' rows."""
     hf_config(hf_dir)  # config.json and the weight files the index names are there
     reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
@@ -653,8 +646,7 @@ def load_hf_into(model, hf_dir: str):
     set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Command line
+# --- Command line
 
 def _ls(ckpt_root: str):
     if not os.path.isdir(ckpt_root):
@@ -676,8 +668,7 @@ def _ls(ckpt_root: str):
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer or None, why none) of a Hugging Face `afmoe` folder (its tokenizer.json) or a
-    checkpoint or root (its data's tokenizer), both through data.get_encoding."""
+    """(model in eval mode, tokenizer or None, why none) of a Hugging Face `afmoe` folder or a checkpoint or root."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -704,8 +695,7 @@ def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] bools, True for the ids `tokenizer` assigns: the embedding is padded past the vocabulary, which
-    may leave ids unassigned (cl100k_base: 100256 and 100261-100275)."""
+    """[vocab_size] bools: the ids `tokenizer` assigns (not padding, nor gaps: cl100k_base's 100256, 100261-100275)."""
     allowed_V = torch.zeros(vocab_size, dtype=torch.bool)
     allowed_V[[i for i in data.vocabulary(tokenizer).values() if i < vocab_size]] = True
     return allowed_V

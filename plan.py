@@ -417,8 +417,7 @@ def optimizer_on(tl: Timeline, p: dict, flops_s: float):
 
 
 def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
-    """Plan `p` at `flops_s` FLOP/s, its first, a middle (repeated for the others) and its last micro-batch on a
-    timeline: step seconds, compute, exposed waits and link time by kind, tokens/s per GPU, MFU, days of `steps`."""
+    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated) and the last micro-batch on a timeline."""
     tl = Timeline()
     accum = p["accumulation_steps"]
     marks = []
