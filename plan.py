@@ -669,8 +669,8 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help), read as train.py reads "
-                                  "them: --preset, model overrides such as --dim=512, --seq_len, --global_batch, "
-                                  "--micro_batch, the layout, --ac, --optimizer, --steps, --step_timeout, --ckpt_*.")
+                                  "them: --preset, model overrides such as --dim=512, the batch and layout flags, "
+                                  "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
     number = at_least(0).parse(float)
     add("--config", default="", help="the run's config file, read as train.py reads it")
