@@ -677,7 +677,7 @@ def sampling_model(path: str, device: torch.device):
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
         load(path, {"model": model})
-        tokenizer = saved.get("train", {}).get("tokenizer")
+        tokenizer = saved.get("tokenizer", {}).get("source")  # the data's, as export_hf reads it
     if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"
     try:
