@@ -134,8 +134,7 @@ def model_facts(cfg) -> dict:
 
 def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool,
                 muon_elements: int | None = None) -> dict:
-    """Bytes per GPU of fp32 shards, optimizer state (AdamW's m, v; Muon's momentum of its `muon_elements`) and FSDP's
-    buffers; `full`: each unit's unsharded elements."""
+    """Bytes per GPU of fp32 shards, optimizer state (Muon's of `muon_elements`), FSDP's buffers (`full`: unsharded)."""
     memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
     if muon_elements is None:
         memory["optimizer (AdamW m, v in fp32)"] = 8 * params
@@ -449,9 +448,9 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
     found = []
     tried = 0
     moe = cfg.n_dense_layers < cfg.n_layers
+    micro_batches = parallel._divisors(tc.global_batch // world)
     for R in parallel._divisors(world):
         eps = [e for e in parallel._divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
-        micro_batches = parallel._divisors(tc.global_batch // world)
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
             candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
