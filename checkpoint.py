@@ -127,7 +127,7 @@ def latest(ckpt_root: str) -> str | None:
 
 
 class CorruptCheckpoint(ValueError):
-    """A complete checkpoint with a file missing, truncated, unreadable or changed since written (named)."""
+    """A complete checkpoint with a file missing, truncated, unreadable or changed on disk (the message names it)."""
 
 
 class SaveFailed(RuntimeError):
@@ -327,7 +327,7 @@ def _step_dir(ckpt_root: str, step: int) -> str:
 
 
 def abandon(ckpt_root: str, step: int) -> str:
-    """Give up the save of `step` (a second Ctrl-C): rank 0 removes its partial folder, returned."""
+    """Give up the save of `step` (a second Ctrl-C): rank 0 removes its partial folder, which it returns."""
     tmp = _step_dir(ckpt_root, step) + ".tmp"
     if rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -710,7 +710,7 @@ def _token_ids(text: str) -> list[int]:
 
 _SAMPLE_FLAGS = [  # flag, type, default, rule, help
     ("--prompt", str, "", None, "text to continue"),
-    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3), without a tokenizer; over --prompt"),
+    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)"),
     ("--temperature", float, 0.8, at_least(0, "0 (greedy) or more"), "softmax temperature; 0 is greedy"),
     ("--top_k", int, 50, at_least(0, "0 (off) or more"), "sample among the k most likely tokens (0: all)"),
     ("--top_p", float, 1.0, Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"),
@@ -775,7 +775,7 @@ def main(argv=None) -> int:
     for flag, kind, default, _, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         refuse_unknown(parser, unknown, sub.choices[args.command])
