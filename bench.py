@@ -479,7 +479,7 @@ def layer_weights(model) -> dict:
 
 
 def record_trajectory(step, model, dtype: torch.dtype | None) -> dict:
-    """The layers' weights, then NUMERICS_STEPS `step`s' loss, gradient norm and updated layers'; the compute dtype."""
+    """The layers' weights, then each of NUMERICS_STEPS `step`s' loss, gradient norm and layers after; the dtype."""
     initial = layer_weights(model)
     steps = []
     for _ in range(NUMERICS_STEPS):
@@ -497,7 +497,7 @@ def relative(change: float, scale: float) -> float:
 def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
     """The first step (0: the initial weights) where trajectory `new` moved from the baseline's `old` beyond `tolerance`
     (0: the dtype's NUMERICS_TOLERANCE), relative (a layer's sum and norm: to its norm; rounding moves them ~1e-7 in
-    fp32, a changed norm epsilon or attention precision 1e-4 and more), and its values that moved; else None."""
+    fp32, a changed norm epsilon or attention precision 1e-4 and more), and its values that moved (None: none)."""
     tolerance = tolerance or NUMERICS_TOLERANCE[new["dtype"]]
     verdict = {"moved": None, "tolerance": tolerance}
     if not old:
@@ -713,7 +713,6 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 
 # --- bench.py data: data.py's prepare against its tokenizer library's own batch encoder
 
-
 def bench_data(args) -> dict:
     """data.prepare's tokens/s on JSONL against the library's batch encoder's in memory, per --workers and per core."""
     import tempfile
@@ -731,6 +730,7 @@ def bench_data(args) -> dict:
         chars += os.path.getsize(path)
         if chars >= args.mb * 1e6:
             break
+
     def cpu_s() -> float:  # user and system seconds of this process and its finished children (prepare's workers)
         usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return sum(u.ru_utime + u.ru_stime for u in usage)
@@ -804,7 +804,7 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
         add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1: "
             "slower, 3: the numbers moved, 4: both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
-            help="with --compare: the step slowdown (a fraction) accepted beyond the noise")
+            help="with --compare: the step slowdown (a fraction) accepted when the noise is smaller")
         add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
             help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' numbers that counts as "
                  f"moved (0: 1e-4 in fp32, 1e-2 in bf16)")

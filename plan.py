@@ -134,7 +134,7 @@ def model_facts(cfg) -> dict:
 
 def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool,
                 muon_elements: int | None = None) -> dict:
-    """Bytes per GPU of fp32 shards, optimizer state (Muon's of `muon_elements`), FSDP's buffers (`full`: unsharded)."""
+    """Bytes per GPU of fp32 shards, optimizer state (Muon: one moment for `muon_elements`), FSDP's unit buffers."""
     memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
     if muon_elements is None:
         memory["optimizer (AdamW m, v in fp32)"] = 8 * params
