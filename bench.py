@@ -70,8 +70,7 @@ def timed_ms(fn, device: torch.device, read=None) -> float:
 
 
 def alternate(fns: dict, device: torch.device, warmup: int, iters: int, flip: bool = False) -> dict:
-    """{name: [ms per timed step]}, the functions run in turn (drifting load hits all alike); `flip`: reversed on odd
-    iterations."""
+    """{name: [ms per timed step]}, the functions in turn (a drift hits all alike), reversed on odd steps if `flip`."""
     times = defaultdict(list)
     for i in range(warmup + iters):
         for name, fn in list(fns.items())[::-1 if flip and i % 2 else 1]:
@@ -92,8 +91,7 @@ def device_name(device: torch.device) -> str:
 
 
 def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int):
-    """This rank's rows of a random global batch as train.py's loader gives them: (tokens, targets, doc ids), each
-    [B, T], every row four documents split at random positions."""
+    """This rank's rows of a random global batch, as train.py's loader gives them: [B, T] tokens, targets, doc ids."""
     g = torch.Generator().manual_seed(seed)
     tokens_BT = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=g)
     starts_BT = torch.zeros(global_batch, seq_len, dtype=torch.long)
@@ -129,8 +127,7 @@ STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that ar
 
 @contextlib.contextmanager
 def wrapped(targets):
-    """Each (object, attribute, label) callable wrapped in a profiler range `bench::label` for the duration, as an
-    instance attribute (the way parallel.apply_ac wraps block.forward)."""
+    """Each (object, attribute, label) callable in a profiler range `bench::label` for the duration."""
     with contextlib.ExitStack() as patches:
         for obj, attr, label in targets:
             in_range = torch.profiler.record_function(SCOPE + label)(getattr(obj, attr))
@@ -146,8 +143,8 @@ def moe_targets(moe: MoE) -> list:
 
 
 def model_targets(model, blocks: bool = True) -> list:
-    # The head's matmul and cross-entropy are one fused autograd function (model.head_loss): one component. Compiled
-    # blocks are fused graphs, not wrapped: their work lands in the model's own range.
+    # The fused head and cross-entropy (model.head_loss) are one component; compiled blocks, fused graphs, are not
+    # wrapped: their work lands in the model's own range.
     targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
                (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
                (model, "head_loss", "output head, cross-entropy")]
@@ -160,9 +157,8 @@ def model_targets(model, blocks: bool = True) -> list:
 
 
 def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """fn run `steps` times under the profiler, `targets` wrapped. Per step: {label: {fwd, bwd, total} ms} (an op's self
-    time charged to the innermost bench:: or step-label range around it, a backward op to its forward op's), {label:
-    {op or kernel: [calls, ms]}} (a component's fingerprint), the wall ms and {train_step phase: ms}."""
+    """fn run `steps` times, `targets` wrapped; per step {label: {fwd, bwd, total} ms} (an op's self time charged to its
+    innermost bench:: or step-label range, a backward op to its forward's), {label: {op: [calls, ms]}}, wall, phases."""
     on_device = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
@@ -234,8 +230,7 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
 
 
 def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
-    """profile() results as one: each component's median times and the quartiles of its share of the profiled step (a
-    busy machine stretches all alike), each kernel's mean, the median wall time, each phase's median."""
+    """profile() results as one: medians, kernel means, quartiles of each share (a busy machine stretches all alike)."""
     zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
     table = {}
     for label in set().union(*(t for t, _, _, _ in runs)):
@@ -344,8 +339,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     return {k: v for k, v in result.items() if k not in ("kernels", "step_kernels")}  # too long for --json
 
 
-# --- bench.py --save / --compare: a throughput guard for upgrades (a new torch can move a matmul to a slower kernel
-# without an error; only the step time and the kernels that ran show it)
+# --- bench.py --save / --compare: a guard for upgrades (a new torch can move a matmul to a slower kernel silently)
 
 STEP_FIELDS = ("seq_len", "doc_mask", "global_batch", "micro_batch", "dtype", "ac", "compile", "dp_replicate", "ep",
                "optimizer", "grad_clip", "balance")  # the train.py flags that change the step's work
@@ -375,8 +369,8 @@ def environment(device: torch.device) -> dict:
                 "blas": str(b.cuda.preferred_blas_library())}
     else:
         env |= {"cpu capability": b.cpu.get_cpu_capability(), "mkldnn": b.mkldnn.enabled}
-    return env | {f"sdpa {k}": getattr(b.cuda, f"{k}_sdp_enabled")() for k in ("flash", "mem_efficient", "math",
-                                                                                 "cudnn")}
+    sdpa = ("flash", "mem_efficient", "math", "cudnn")
+    return env | {f"sdpa {k}": getattr(b.cuda, f"{k}_sdp_enabled")() for k in sdpa}
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -424,8 +418,8 @@ def describe_kernels(changes: dict) -> str:
 
 def compare(old: dict, new: dict, tolerance: float) -> dict:
     """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
-    noise band (half of each run's interquartile range, added) and `tolerance`. A component (its share of the profiled
-    step times the step) moved beyond its own band and `tolerance` is named with its kernels that changed."""
+    noise band (half of each run's interquartile range, added) and `tolerance`. A component that moved so (its share of
+    the profiled step, times the step) is named with its kernels that changed."""
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
@@ -444,8 +438,8 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
         noise = ((a["share_p75"] - a["share_p25"]) * old["ms_median"]
                  + (b["share_p75"] - b["share_p25"]) * new["ms_median"]) / 2
         if abs(ms_b - ms_a) > max(noise, tolerance * old["ms_median"]):  # a smaller move cannot fail the step
-            profiled_change = abs(b["total"] - a["total"])
-            kernels = kernel_changes(old["kernels"].get(label, {}), new["kernels"].get(label, {}), profiled_change / 10)
+            kernels = kernel_changes(old["kernels"].get(label, {}), new["kernels"].get(label, {}),
+                                     abs(b["total"] - a["total"]) / 10)
             moved[label] = {"ms": [ms_a, ms_b], "noise_ms": noise, **kernels}
             pct = f"{100 * (ms_b - ms_a) / ms_a:+.0f}%" if ms_a else "new"
             lines.append(f"  {label}: {ms_a:.2f} -> {ms_b:.2f} ms of the step ({pct}, noise {noise:.2f} ms)"
@@ -465,16 +459,15 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
             "components": moved, "step_kernels": step_kernels, "environment": env, "lines": lines}
 
 
-# The numbers, beside the speed: a new torch, CUDA or kernel can also compute differently. The first training steps
-# from the seeded initialisation on the fixed batch are deterministic up to rounding: --save records them.
+# The numbers too: a new torch, CUDA or kernel can compute differently. The first steps from the seeded initialisation
+# on the fixed batch are deterministic up to rounding: --save records them.
 
 NUMERICS_STEPS = 3
 NUMERICS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative: far above fp32 rounding; bf16 keeps 8 bits
 
 
 def layer_weights(model) -> dict:
-    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., norm, head), the same on every
-    rank (a sharded weight's partial sums are reduced over its mesh)."""
+    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., head), the same on all ranks."""
     sums = defaultdict(lambda: [0.0, 0.0])
     for name, p in model.named_parameters():
         parts = name.split(".")
@@ -486,9 +479,7 @@ def layer_weights(model) -> dict:
 
 
 def record_trajectory(step, model, dtype: torch.dtype | None) -> dict:
-    """Every layer's initial weight sum and norm, then NUMERICS_STEPS calls of `step` (train.train_step on the fixed
-    batch): each step's loss, gradient norm and, after its update, the layers' again; with the compute dtype, which
-    sets the default tolerance."""
+    """The layers' weights, then each of NUMERICS_STEPS `step`s' loss, gradient norm and layers after; the dtype."""
     initial = layer_weights(model)
     steps = []
     for _ in range(NUMERICS_STEPS):
@@ -504,11 +495,9 @@ def relative(change: float, scale: float) -> float:
 
 
 def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
-    """The numbers' verdict on trajectory `new` against the baseline's `old`: the first step (0: the initial weights)
-    where a value moved beyond `tolerance` (0: NUMERICS_TOLERANCE of the dtype), relative: the loss and the gradient
-    norm to their baseline values, a layer's weight sum and norm to its norm (rounding moves them by about 1e-7 in fp32;
-    a changed norm epsilon or attention precision, by 1e-4 and more). That step's values that moved, layers in the
-    model's order; `moved` is None when nothing did."""
+    """The first step (0: the initial weights) where trajectory `new` moved from the baseline's `old` beyond `tolerance`
+    (0: the dtype's NUMERICS_TOLERANCE), relative (a layer's sum and norm: to its norm; rounding moves them ~1e-7 in
+    fp32, a changed norm epsilon or attention precision 1e-4 and more), and its values that moved (None: none)."""
     tolerance = tolerance or NUMERICS_TOLERANCE[new["dtype"]]
     verdict = {"moved": None, "tolerance": tolerance}
     if not old:
@@ -558,7 +547,7 @@ def fwd_bwd(module, x_BTD, dy_BTD, autocast):
 
 
 def moe_report(result: dict, times: dict, flops: float, world: int):
-    """Adds and prints the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
+    """Add and print the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
     active = result["active_hidden"]
     dense = result["dense_hidden"]
     for name in times:
@@ -600,9 +589,8 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         with torch.device("meta"):
             parallel.check_host_memory(MoE(cfg), copies=2, what="one MoE layer's weights and their gradients")
     moe = init_(MoE(cfg).to(device), cfg.init_std)
-    # The dense SwiGLU does about the MoE layer's active matmul FLOPs: k routed experts, the shared expert and the
-    # router, whose D x E matmul costs what E/3 more hidden units do. Its width is rounded up to a multiple of 128,
-    # where bf16 GEMMs run at full speed, and the ratios are per FLOP.
+    # The dense SwiGLU does the MoE layer's active matmul FLOPs (k routed experts, the shared one, the router's D x E
+    # as E/3 hidden units), rounded up to a multiple of 128 wide for full-speed bf16 GEMMs; the ratios are per FLOP.
     active_hidden = K * I + shared_hidden + E / 3
     dense_hidden = 128 * math.ceil(active_hidden / 128)
     dense = init_(FeedForward(D, dense_hidden).to(device), cfg.init_std)
@@ -672,7 +660,6 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
     tc = run.tc
     cfg = run.cfg
-    autocast = run.autocast
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf = transformers.AfmoeForCausalLM(transformers.AfmoeConfig(**cfg.to_hf(), use_cache=False)).to(device).train()
@@ -690,14 +677,14 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     losses = {}
 
     def step_ours():
-        losses["ours"] = train.train_step(ours, opt_ours, batch, tc, autocast, state)["lm_loss"]
+        losses["ours"] = train.train_step(ours, opt_ours, batch, tc, run.autocast, state)["lm_loss"]
 
     def step_hf():  # the same work: micro-batches, clipping, AdamW; no balance losses or bias update (HF has none)
         tokens_BT, targets_BT, _ = (t.to(device) for t in batch)
         losses["hf"] = 0.0
         for i in range(n_micro):
             rows = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
-            with autocast:
+            with run.autocast:
                 logits_BTV = hf(input_ids=tokens_BT[rows]).logits
                 loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT[rows].flatten())
             (loss / n_micro).backward()
@@ -717,7 +704,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
         result[f"{name}_ms_min"] = min(times[name])
         print(f"  {shown:12s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
     result["speedup"] = result["hf_ms"] / result["ours_ms"]
-    # Each iteration times the two steps back to back, so their ratio shares whatever else the machine was doing.
+    # Each iteration times the two back to back: their ratio shares whatever else the machine was doing.
     result["speedup_paired"] = statistics.median(hf / ours for hf, ours in zip(times["hf"], times["ours"]))
     print(f"speedup (transformers / ours): {result['speedup']:.2f}x on the medians, {result['speedup_paired']:.2f}x "
           f"the median of the {len(times['hf'])} back-to-back pairs; first-step LM losses agree to {first_diff:.1e}")
@@ -727,9 +714,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # --- bench.py data: data.py's prepare against its tokenizer library's own batch encoder
 
 def bench_data(args) -> dict:
-    """Tokens/s of data.prepare on standard-library source written as JSONL against the tokenizer library's batch
-    encoder on the same documents already in memory, for each --workers; per core, which other work on the machine
-    inflates far less than wall time."""
+    """data.prepare's tokens/s on JSONL against the library's batch encoder's in memory, per --workers and per core."""
     import tempfile
 
     import data
@@ -745,8 +730,11 @@ def bench_data(args) -> dict:
         chars += os.path.getsize(path)
         if chars >= args.mb * 1e6:
             break
-    cpu_s = lambda: sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF,  # noqa: E731
-                        resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
+
+    def cpu_s() -> float:  # user and system seconds of this process and its finished children (prepare's workers)
+        usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return sum(u.ru_utime + u.ru_stime for u in usage)
+
     library = "tokenizers encode_batch_fast" if hf else "tiktoken encode_ordinary_batch"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -801,34 +789,28 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "data":
         add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a Hugging Face tokenizer folder")
-        add("--workers", type=POSITIVE.parse(int), nargs="+", default=[1, 2], help="the worker counts to measure; the "
-            "library's batch encoder runs on as many threads")
-        add("--mb", type=above(0).parse(float), default=16, help="megabytes of text (the standard "
-            "library's source, repeated as needed)")
-        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="documents of whole paragraphs of up to this "
-            "many characters, as data.py cuts plain text")
+        add("--workers", type=POSITIVE.parse(int), nargs="+", default=[1, 2], help="worker (and encoder thread) counts")
+        add("--mb", type=above(0).parse(float), default=16, help="megabytes of the standard library's source, repeated")
+        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="a document's most characters (paragraphs)")
         add("--repeat", type=POSITIVE.parse(int), default=3, help="runs of each, alternated; the best counts")
         return parser, []
     warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
     add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
     add("--iters", type=POSITIVE.parse(int), default=iters, help="timed steps")
-    add("--threads", type=at_least(0).parse(int), default=0, help="CPU threads for torch (0: torch's default); 1 gives "
-        "steadier ratios on a machine others are using")
-    add("--clock", choices=CLOCKS, default="wall",
-        help="wall time, or the process's CPU time (CPU only; steadier when the machine is shared)")
+    add("--threads", type=at_least(0).parse(int), default=0, help="torch's CPU threads (0: its default; 1: steadier)")
+    add("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time (CPU only, steadier)")
     if command == "step":
-        add("--save", default="", metavar="PATH", help="write this run (times, components, kernels, environment, "
-            "the first steps' numbers) as a baseline")
-        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1 "
-            "when the step is slower beyond the noise band and --tolerance, 3 when the numbers moved, 4 both")
+        add("--save", default="", metavar="PATH", help="write this run's times, kernels and numbers as a baseline")
+        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1: "
+            "slower, 3: the numbers moved, 4: both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
-            help="with --compare: the step slowdown accepted (a fraction) when the noise is smaller")
+            help="with --compare: the step slowdown (a fraction) accepted when the noise is smaller")
         add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
-            help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' loss, gradient norm or a "
-                 f"layer's weights (to their norm) past which the numbers moved (0: 1e-4 in fp32, 1e-2 in bf16)")
+            help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' numbers that counts as "
+                 f"moved (0: 1e-4 in fp32, 1e-2 in bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
-        switch("--loop", help="also time the per-expert loop (--loop=false: skip it, it is slow at large shapes)")
+        switch("--loop", help="also time the per-expert loop (--loop=false: skip it, slow at large shapes)")
     if command in ("step", "moe"):
         switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
     return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"]}.get(command, [])

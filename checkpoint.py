@@ -2,11 +2,10 @@
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
 Each rank writes its shards of the model, optimizer and train state's tensors with torch.distributed.checkpoint
-(DCP), keyed by parameter name, so any layout reads them back; the rest is plain JSON, and .metadata is unpickled
-through an allow-list of DCP's classes (loading runs no code). No RNG state is saved: training draws no random number
-after initialisation. A save goes to step_N.tmp, renamed step_N once COMPLETE is written, so a run killed mid-save
-leaves the previous checkpoint the newest; each file's sha256, taken as it is written, lets a load refuse one whose
-bytes changed on disk.
+(DCP), keyed by parameter name so any layout reads them back; the rest is JSON, and .metadata is unpickled through an
+allow-list (loading runs no code). No RNG state is saved: training draws no random number after initialisation. A
+save goes to step_N.tmp, renamed step_N once COMPLETE is written (a killed save leaves the previous checkpoint the
+newest); each file's sha256, taken as it is written, lets a load refuse changed bytes.
 
     ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
                               config.json, state.json       training config; step, world size, "train", optimizer
@@ -52,14 +51,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 import data
-from model import POSITIVE, ModelConfig, Rule, at_least, meta_model, refuse_unknown
+from model import POSITIVE, ModelConfig, Rule, above, at_least, meta_model, refuse_unknown
 from parallel import local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
 
-# ------------------------------------------------------------------------------------------------------------------
-# Our state-dict names <-> transformers' AfmoeForCausalLM names
+# --- Our state-dict names <-> transformers' AfmoeForCausalLM names
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _LAYER_KEYS = {  # ours -> transformers', inside layer i
@@ -89,8 +87,7 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Files
+# --- Files
 
 def _read_json(folder: str, name: str, expected: str = "a checkpoint written by this checkpoint.py") -> dict:
     if not os.path.isfile(os.path.join(folder, name)):
@@ -104,8 +101,7 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Finding and checking checkpoints
+# --- Finding and checking checkpoints
 
 MARKER = "COMPLETE"
 CHECKSUMS = "checksums.json"  # {file name: sha256} of every file the save wrote, written just before the marker
@@ -131,8 +127,7 @@ def latest(ckpt_root: str) -> str | None:
 
 
 class CorruptCheckpoint(ValueError):
-    """A checkpoint marked complete whose files are missing, truncated, unreadable or changed since they were written;
-    the message names the file."""
+    """A complete checkpoint with a file missing, truncated, unreadable or changed on disk (the message names it)."""
 
 
 class SaveFailed(RuntimeError):
@@ -141,8 +136,7 @@ class SaveFailed(RuntimeError):
 
 @contextmanager
 def _together(world: int, errors: tuple = (OSError,)):
-    """Every rank raises the first rank's error of type `errors` from the block, so none waits in a collective others
-    skip and all act on the same verdict."""
+    """Every rank raises the first rank's `errors` from the block: none waits in a collective others skip."""
     failure = None
     try:
         yield
@@ -155,9 +149,9 @@ def _together(world: int, errors: tuple = (OSError,)):
         raise next(f for f in failures if f)
 
 
-# DCP pickles .metadata, and pickle.load would call whatever a crafted file names. These are the only globals its
-# metadata is made of (its dataclasses, torch's Size, layouts and dtypes, the path it was written to); any other
-# makes the file unreadable, so that the checkpoint is damaged and nothing more.
+# DCP pickles .metadata, and pickle.load would call whatever a crafted file names. Its metadata is made of these
+# globals only (its dataclasses, torch's Size, layouts and dtypes, the path it was written to); any other makes the
+# file unreadable: the checkpoint is damaged, nothing more.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                               "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
@@ -188,10 +182,8 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True):
-    """Raise CorruptCheckpoint naming the first bad file of complete checkpoint `path` unless each file is there,
-    each .distcp as long as its tensors need, the JSON parses, .metadata holds only DCP's metadata and, with
-    `contents`, every file has the sha256 it was written with. Every rank calls it, reads every world-th file and
-    raises the same verdict."""
+    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file: missing, a .distcp shorter than its
+    tensors, bad JSON or .metadata, or (`contents`) a changed sha256. Every rank calls it, hashing every world-th."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -231,8 +223,8 @@ def verify(path: str, contents: bool = True):
 
 def load_latest(ckpt_root: str, state: dict, config=None, say=print,
                 up_to: int | None = None) -> tuple[str | None, dict | None]:
-    """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`, if given) that loads, saying
-    which damaged ones it skipped. (None, None) when there is none; raises CorruptCheckpoint when none loads."""
+    """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`) that loads, saying which
+    damaged ones it skipped: (None, None) when there is none, CorruptCheckpoint when none loads."""
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
@@ -246,8 +238,7 @@ def load_latest(ckpt_root: str, state: dict, config=None, say=print,
 
 
 def remove_after(ckpt_root: str, step: int):
-    """Delete the checkpoints under ckpt_root (complete or not) of steps after `step`: a rolled back run's abandoned
-    ones, which a restart must not resume."""
+    """Delete the checkpoints under ckpt_root after `step`: a rolled back run's, which a restart must not resume."""
     for e in _scan(ckpt_root):
         if e.step > step:
             shutil.rmtree(e.path, ignore_errors=True)
@@ -272,7 +263,7 @@ def _resolve(path: str) -> str:
 
 
 def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
-    """(the complete checkpoint, its config.json, its ModelConfig) for a checkpoint or a root, as _resolve finds it."""
+    """(the complete checkpoint _resolve finds, its config.json, its ModelConfig)."""
     path = _resolve(path)
     saved = _read_json(path, "config.json")
     if not isinstance(saved.get("model"), dict):
@@ -281,8 +272,7 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
     return path, saved, ModelConfig(**{k: v for k, v in saved["model"].items() if k in known})
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Saving and loading training checkpoints
+# --- Saving and loading training checkpoints
 
 def _resolved_config(config: dict) -> dict:
     """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
@@ -301,8 +291,7 @@ def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
 
 
 def _state_dicts(state: dict) -> tuple[dict, dict, dict]:
-    """({"model": tensors, "optim": tensors, "train": tensors} for DCP, the optimizer's other values, the train
-    state's other values) of a save's or load's `state`, by parameter name, any wrapping."""
+    """`state` as ({"model", "optim", "train": tensors by name, for DCP}, the optimizer's rest, the train state's)."""
     model_sd, optim_sd = get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
     optim_tensors, optim_rest = _tensors_and_rest(optim_sd)
     train_tensors, train_rest = _tensors_and_rest(state.get("train") or {})
@@ -316,15 +305,15 @@ def _gloo_group(world_group):
 
 
 def _first_failure(e: BaseException) -> tuple[int | None, str]:
-    """(errno, one line) of an exception, or of the first rank's inside DCP's CheckpointException (every rank's)."""
+    """(errno, one line) of an exception, or of the first rank's in DCP's CheckpointException."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     return getattr(e, "errno", None), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
 def _no_space(folder: str, code: int | None, needed: int) -> str | None:
-    """'no space left on FOLDER (N MiB free)' when a write of `needed` bytes into FOLDER failed for lack of room: its
-    errno says so, or less than `needed` is free (torch's zip writer and safetensors drop the errno)."""
+    """'no space left on FOLDER (N MiB free)' when a write of `needed` bytes into FOLDER failed for lack of room: the
+    errno says so, or less is free (torch's zip writer and safetensors drop the errno)."""
     while not os.path.isdir(folder):  # a folder the failed write could not create: its disk is the parent's
         folder = os.path.dirname(folder) or "."
     free = shutil.disk_usage(folder).free
@@ -338,7 +327,7 @@ def _step_dir(ckpt_root: str, step: int) -> str:
 
 
 def abandon(ckpt_root: str, step: int) -> str:
-    """Give up the save of `step` (a second Ctrl-C): remove what it wrote so far, on rank 0; the partial folder."""
+    """Give up the save of `step` (a second Ctrl-C): rank 0 removes its partial folder, which it returns."""
     tmp = _step_dir(ckpt_root, step) + ".tmp"
     if rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -347,8 +336,7 @@ def abandon(ckpt_root: str, step: int) -> str:
 
 @contextmanager
 def _failing_cleanly(ckpt_root: str, step: int, needed: int):
-    """A write of `needed` bytes on this rank that fails (a full disk) becomes one SaveFailed sentence; its partial
-    files are removed."""
+    """A failed write of `needed` bytes (a full disk) becomes one SaveFailed sentence; its files are removed."""
     try:
         yield
     except (OSError, CheckpointException) as e:
@@ -361,8 +349,7 @@ def _failing_cleanly(ckpt_root: str, step: int, needed: int):
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer that also takes the sha256 of each file it writes, as soon as it is written (in the
-    background, with an asynchronous save): this rank's .distcp files, and .metadata on the coordinator."""
+    """DCP's file writer, also taking each file's sha256 as soon as it is written (in the background if async)."""
 
     def __init__(self, path: str):
         super().__init__(path)
@@ -381,8 +368,7 @@ class _Writer(dcp.FileSystemWriter):
 
 def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
     """Rank 0, once every rank has written its files: write their checksums, mark step_N.tmp complete, rename it
-    step_N, then delete this run's (same config "run_id") complete checkpoints beyond the newest `keep` and killed
-    saves older than `step`."""
+    step_N, delete this run's (config "run_id") complete checkpoints beyond the newest `keep` and older killed saves."""
     def run_id(path: str):  # None for an unreadable config.json
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
@@ -405,9 +391,8 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
 
 @dataclass
 class PendingSave:
-    """A save being written (in the background when asynchronous). Its one owner (train.py's loop) calls wait() on
-    every rank before the next save: it marks the checkpoint complete or raises SaveFailed, once; abandon(ckpt_root,
-    step) gives up on it instead."""
+    """A save being written (in the background if asynchronous). Its owner calls wait() on every rank before the next
+    save, which completes it or raises SaveFailed, once; or abandon(ckpt_root, step)."""
     ckpt_root: str
     step: int
     keep: int
@@ -438,8 +423,8 @@ class PendingSave:
 def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
          async_save: bool = False) -> PendingSave:
     """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks: tensors go to DCP, the rest to state.json). An async_save returns
-    once the tensors are staged on the CPU, a synchronous one once complete. A failed write: SaveFailed."""
+    "optim" (or None), "train" (alike on all ranks: tensors to DCP, the rest to state.json). Returns once the tensors
+    are staged on the CPU (async_save) or complete; SaveFailed if a write fails."""
     rank, world = rank_world()
     tensors, optim_rest, train = _state_dicts(state)
     # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
@@ -468,7 +453,7 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
 
 
 def _json(obj, what: str) -> str:
-    """obj as JSON text, or one sentence naming what of `what` is not JSON (numbers, strings, lists, dicts)."""
+    """obj as JSON text, or one sentence naming what in `what` is not JSON."""
     def refuse(value):
         if is_dataclass(value):
             return asdict(value)
@@ -478,8 +463,7 @@ def _json(obj, what: str) -> str:
 
 
 def _check_config(path: str, saved_config: dict, config: dict):
-    """Refuse a checkpoint saved with another model architecture than `config` names. (Another tokenizer or data on
-    resume is train.py's to refuse: it may be a wanted change.)"""
+    """Refuse a checkpoint of another architecture than `config`'s (other data or tokenizer: train.py decides)."""
     current = _resolved_config(config).get("model")
     saved = saved_config.get("model")
     if current is not None and isinstance(saved, dict):
@@ -494,9 +478,8 @@ def _check_config(path: str, saved_config: dict, config: dict):
 
 
 def load(path: str, state: dict, config: dict | None = None) -> dict:
-    """Load checkpoint `path` (or a root's newest) into state["model"], state["optim"] and the tensors of
-    state["train"] in place, any layout, on every rank; return the saved train state's other values. config (the
-    training config): refuse another architecture."""
+    """Load checkpoint `path` (or a root's newest) in place into state's "model", "optim" and "train" tensors, any
+    layout, on every rank; return the train state's other values. `config`: refuse another architecture."""
     path = _resolve(path)
     verify(path)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
@@ -533,12 +516,10 @@ def load(path: str, state: dict, config: dict | None = None) -> dict:
     return saved_state["train"]
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Hugging Face folders: export a checkpoint, import a model to start from
+# --- Hugging Face folders: export a checkpoint, import a model to start from
 
 def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
-    """One sentence for an out_dir that an export must not replace: a file, the checkpoint's own folder, or (unless
-    `overwrite`) a folder that holds files, such as another export."""
+    """Refuse an out_dir that is a file, holds the checkpoint or (unless `overwrite`) holds files."""
     out = os.path.realpath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out_dir} is a file; give a folder to export to.")
@@ -554,10 +535,9 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False) -> str:
-    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` (or a root's newest), one shard in memory at a
-    time: config.json (with the end-of-text id and the checkpoint it came from), generation_config.json, safetensors
-    shards and an index, the tokenizer (default: the data's). The folder is written beside out_dir and moved there
-    once complete; an out_dir holding files is refused unless `overwrite`. Returns the checkpoint used."""
+    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` (or a root's newest), a shard in memory at a
+    time: config.json (with the end-of-text id and the source), generation_config.json, safetensors shards and index,
+    the tokenizer (default: the data's); beside out_dir, moved there once complete. Returns the checkpoint used."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     _refuse_export_dir(out_dir, path, overwrite)
     verify(path)  # a damaged checkpoint is one sentence, before anything is written
@@ -628,7 +608,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
 
 
 def hf_config(hf_dir: str) -> ModelConfig:
-    """The ModelConfig of a Hugging Face `afmoe` folder, once its config.json and weight files are found there."""
+    """The ModelConfig of a Hugging Face `afmoe` folder whose config.json and weight files are there."""
     hf = _read_json(hf_dir, "config.json", "a Hugging Face model folder")
     if hf.get("model_type") != "afmoe":
         raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
@@ -647,8 +627,7 @@ def hf_config(hf_dir: str) -> ModelConfig:
 
 
 def load_hf_into(model, hf_dir: str):
-    """Fill `model`, plain or sharded by parallel.py, from a Hugging Face `afmoe` folder in place. Every rank calls
-    it and reads only its shards' rows (DCP's Hugging Face reader); weights in another dtype become the model's."""
+    """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, each rank its shards' rows."""
     hf_config(hf_dir)  # config.json and the weight files the index names are there
     reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
@@ -667,8 +646,7 @@ def load_hf_into(model, hf_dir: str):
     set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Command line
+# --- Command line
 
 def _ls(ckpt_root: str):
     if not os.path.isdir(ckpt_root):
@@ -690,8 +668,7 @@ def _ls(ckpt_root: str):
 
 
 def sampling_model(path: str, device: torch.device):
-    """(model in eval mode, tokenizer or None, why none) from a Hugging Face `afmoe` folder (its tokenizer.json) or a
-    checkpoint or root (its data's tokenizer); both through data.get_encoding, so both read prompts alike."""
+    """(model in eval mode, tokenizer or None, why none) of a Hugging Face `afmoe` folder or a checkpoint or root."""
     if os.path.isfile(os.path.join(path, "config.json")) and "model_type" in _read_json(path, "config.json"):
         model = meta_model(hf_config(path)).to_empty(device=device)
         load_hf_into(model, path)
@@ -700,7 +677,7 @@ def sampling_model(path: str, device: torch.device):
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
         load(path, {"model": model})
-        tokenizer = saved.get("train", {}).get("tokenizer")
+        tokenizer = saved.get("tokenizer", {}).get("source")  # the data's, as export_hf reads it
     if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"
     try:
@@ -710,7 +687,7 @@ def sampling_model(path: str, device: torch.device):
 
 
 def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
-    """row through the first stop_id at or after `start` (a sample through its end-of-text), or all of it."""
+    """row through the first stop_id at or after `start` (a sample through its end-of-text), else all."""
     try:
         return row[:row.index(stop_id, start) + 1]
     except ValueError:
@@ -718,8 +695,7 @@ def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] bools, True for the ids `tokenizer` assigns (data.vocabulary's): the embedding is padded past its
-    vocabulary, and some leave ids inside it unassigned (cl100k_base: 100256 and 100261-100275)."""
+    """[vocab_size] bools: the ids `tokenizer` assigns (not padding, nor gaps: cl100k_base's 100256, 100261-100275)."""
     allowed_V = torch.zeros(vocab_size, dtype=torch.bool)
     allowed_V[[i for i in data.vocabulary(tokenizer).values() if i < vocab_size]] = True
     return allowed_V
@@ -734,8 +710,7 @@ def _token_ids(text: str) -> list[int]:
 
 _SAMPLE_FLAGS = [  # flag, type, default, rule, help
     ("--prompt", str, "", None, "text to continue"),
-    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3), for a model without a tokenizer; "
-                                             "overrides --prompt"),
+    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)"),
     ("--temperature", float, 0.8, at_least(0, "0 (greedy) or more"), "softmax temperature; 0 is greedy"),
     ("--top_k", int, 50, at_least(0, "0 (off) or more"), "sample among the k most likely tokens (0: all)"),
     ("--top_p", float, 1.0, Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"),
@@ -792,24 +767,18 @@ def main(argv=None) -> int:
     p = sub.add_parser("export", help="write a Hugging Face afmoe folder from a checkpoint")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint directory, or a root (its newest complete one)")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file (default 5 GiB)")
-    p.add_argument("--tokenizer", default=None, help="tiktoken name or Hugging Face tokenizer folder to write "
-                   "(default: the one the training data was prepared with)")
-    p.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (an earlier export), once "
-                   "the new export is complete")
+    p.add_argument("--max_shard_gb", type=above(0).parse(float), default=5.0, help="largest file (default 5 GiB)")
+    p.add_argument("--tokenizer", help="tiktoken name or Hugging Face tokenizer folder (default: the data's)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR's files once the new export is complete")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
-    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root (its newest complete one) or a "
-                                               "Hugging Face afmoe folder")
+    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root or a Hugging Face afmoe folder")
     for flag, kind, default, _, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         refuse_unknown(parser, unknown, sub.choices[args.command])
-    if args.command == "export" and not args.max_shard_gb > 0:
-        parser.error(f"--max_shard_gb={args.max_shard_gb} must be above 0.")
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)

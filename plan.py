@@ -1,9 +1,8 @@
 """
 Plan a run before it starts: memory per GPU, bytes per collective, step time, MFU and days for a model on a GPU
-layout, the fastest layouts that fit, and the time failures will cost. Arithmetic on a meta-device model: nothing is
-allocated and no GPU is needed. plan.py reads train.py's flags and config files as train.py does (train.parse_args),
-so it plans the run train.py would make; its own flags say only what training does not know. Training never
-imports it.
+layout, the fastest layouts that fit, and the time failures will cost: arithmetic on a meta-device model, no GPU
+needed. It reads train.py's flags and config files as train.py does, so it plans the run train.py would make; its own
+flags say what training does not know. Training never imports it.
 
     python plan.py --config=large.toml --gpu=b300       # the run large.toml describes, on its world_size GPUs
     python plan.py --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq_len=8192 --global_batch=12288 \
@@ -57,9 +56,9 @@ LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
 
 
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
-    """Activation bytes of one micro-batch per AC mode: {"saved": kept for backward, "peak": plus the largest transient
-    (the head's chunk at the loss, or a block AC re-materialises)}; c bytes per element, flash attention, balanced
-    routing. Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
+    """{AC mode: {"saved": bytes kept for backward, "peak": plus the largest transient (the head's chunk at the loss,
+    or a block AC re-materialises)}} of one micro-batch; c bytes per element, flash attention, balanced routing.
+    Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
     D = cfg.dim
     H = cfg.n_heads
     G = cfg.n_kv_heads
@@ -135,8 +134,7 @@ def model_facts(cfg) -> dict:
 
 def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool,
                 muon_elements: int | None = None) -> dict:
-    """Bytes per GPU of fp32 shards, optimizer state (AdamW's m, v; Muon's one momentum for its `muon_elements`) and
-    FSDP's buffers; `full`: each unit's unsharded elements."""
+    """Bytes per GPU of fp32 shards, optimizer state (Muon: one moment for `muon_elements`), FSDP's unit buffers."""
     memory = {"parameters (fp32 master shards)": 4 * params, "gradients (fp32 shards)": 4 * params}
     if muon_elements is None:
         memory["optimizer (AdamW m, v in fp32)"] = 8 * params
@@ -160,8 +158,8 @@ def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool
 
 @dataclasses.dataclass
 class Links:
-    """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter`
-    (one NIC per GPU); `latency` seconds per step of a collective; `hbm` bytes/s of each GPU's own memory."""
+    """Nodes of `per_node` GPUs on NVLink at `intra` bytes/s per GPU each way, joined by the network at `inter` (a NIC
+    per GPU); `latency` seconds per step of a collective; `hbm` bytes/s of a GPU's memory."""
     per_node: int = 8
     intra: float = 900e9
     inter: float = 100e9
@@ -175,7 +173,7 @@ class Links:
 
     def ring_s(self, nbytes: float, group: tuple[int, int]) -> float:
         """An all-gather or reduce-scatter of `nbytes` (unsharded) over k ranks on each of m nodes: a ring in each
-        node, then one over the nodes, each of the k GPUs carrying 1/k through its own NIC (rail-aligned rings)."""
+        node, then rail-aligned rings over the nodes, each of the k GPUs carrying 1/k through its own NIC."""
         k, m = group
         in_node = nbytes * (k - 1) / k / self.intra + (k - 1) * self.latency
         return in_node + nbytes / k * (m - 1) / m / self.inter + (m - 1) * self.latency
@@ -243,9 +241,9 @@ def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
 
 
 def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
-    """parallel.Muon on an FSDP group: dense matrices dealt over its S ranks, each gathered whole on its owner by an
-    all-to-all and sent back, one a round; expert shards where they live. Newton-Schulz FLOPs (per rank, critical
-    path), all-to-all bytes a rank sends (sent, over the network) and seconds, elements updated on the busiest rank."""
+    """parallel.Muon on an FSDP group (dense matrices dealt over its S ranks, each gathered whole on its owner by an
+    all-to-all and sent back, one a round; expert shards where they live): Newton-Schulz FLOPs (per rank, critical
+    path), the all-to-all bytes a rank sends (all, over the network) and seconds, the busiest rank's elements."""
     S = layout.dp_shard
     Fs = layout.efsdp
     dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
@@ -266,8 +264,8 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
-    optimizer's work and a checkpoint's bytes for training `cfg` as train.py does with `tc` on `world` ranks: dense
-    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp, in bf16 unless --dtype=fp32."""
+    optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks: dense
+    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp."""
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
@@ -301,8 +299,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
 
 
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
-    """Plan `p`'s FLOPs per token by unit, its collectives by unit and their bytes per optimizer step, and the
-    optimizer step's work."""
+    """Plan `p`'s FLOPs per token and collectives by unit, their bytes per optimizer step, the optimizer's work."""
     layout = p["layout"]
     accum = p["accumulation_steps"]
     tokens = p["micro_batch"] * p["seq"]
@@ -342,8 +339,7 @@ def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon:
 # --- Time: one GPU's step on a timeline of compute and links
 
 class Timeline:
-    """One GPU's step on the compute stream (the EP all-to-all too: experts wait for their tokens) and the links (one
-    queue for every FSDP collective)."""
+    """One GPU's step on the compute stream (with the EP all-to-all: experts wait for their tokens) and its links."""
 
     def __init__(self):
         self.compute_end = 0.0
@@ -383,8 +379,8 @@ class Timeline:
 
 def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: bool):
     """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
-    backward from the last block, re-gathered one ahead (unless kept), its gradients reduce-scattered (on the last
-    micro-batch also all-reduced across replicas) as soon as its backward ends."""
+    backward from the last block, re-gathered one ahead (unless kept), each unit's gradients reduce-scattered (on the
+    last micro-batch also all-reduced across replicas) once its backward ends."""
     tokens = p["micro_batch"] * p["seq"]
     units = p["units"]
     gather = first or not p["keep_gathered"]
@@ -411,8 +407,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
 
 
 def optimizer_on(tl: Timeline, p: dict, flops_s: float):
-    """The optimizer step once the last reductions are in: Newton-Schulz and its all-to-alls (Muon), then the
-    elementwise passes at HBM speed."""
+    """The optimizer step after the last reductions: Newton-Schulz and its all-to-alls (Muon), the HBM passes."""
     tl.compute(0.0, tl.link_end)
     o = p["optimizer"]
     for kind, seconds in ((NS, o.get("critical_flops", 0) / flops_s), (MUON_A2A, o.get("a2a_s", 0.0)),
@@ -421,9 +416,7 @@ def optimizer_on(tl: Timeline, p: dict, flops_s: float):
 
 
 def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
-    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated for the others) and the last micro-batch on a
-    timeline; step seconds, compute and exposed waits and link time by kind, tokens/s per GPU, MFU, days for
-    `steps` optimizer steps."""
+    """Plan `p` at `flops_s` FLOP/s: the first, a middle (repeated) and the last micro-batch on a timeline."""
     tl = Timeline()
     accum = p["accumulation_steps"]
     marks = []
@@ -450,15 +443,14 @@ def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
 # --- The fastest layouts that fit, as train.py commands
 
 def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops_s: float, top: int = 5):
-    """The `top` fastest layouts of `tc` on `world` GPUs that fit, each (TrainConfig, plan, projection): replicas,
-    ep, micro-batch, AC and --keep_gathered varied; everything else as `tc` says. Also the numbers tried and fit."""
+    """The `top` fastest (TrainConfig, plan, projection) of the layouts of `tc` that fit; the numbers tried, fit."""
     peak, mem_gib = GPUS[gpu][:2]
     found = []
     tried = 0
     moe = cfg.n_dense_layers < cfg.n_layers
+    micro_batches = parallel._divisors(tc.global_batch // world)
     for R in parallel._divisors(world):
         eps = [e for e in parallel._divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
-        micro_batches = parallel._divisors(tc.global_batch // world)
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
             candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
@@ -481,8 +473,7 @@ def layout_flags(tc: train.TrainConfig) -> str:
 
 
 def train_command(tc: train.TrainConfig, overrides: dict, config: str, world: int) -> str:
-    """The train.py command line that trains `tc` with `overrides` on `world` ranks: the config file, the layout, then
-    every other value that differs from what the file (or, without one, train.py's defaults) gives."""
+    """The train.py command of `tc` and `overrides` on `world` ranks: the config file, the layout, other changes."""
     base = [flag("config", config)] if config else []
     base_tc, base_overrides = train_args(base, world)
     flags = base + [flag(name, getattr(tc, name)) for name in LAYOUT_FLAGS]
@@ -504,15 +495,13 @@ def why_slower(t: dict, best: dict) -> str:
 # --- Failures: the time they cost, and the checkpoint interval that loses least
 
 def lost_fraction(interval_s: float, checkpoint_s: float, down_s: float, mtbf_s: float) -> float:
-    """The expected fraction of wall time lost, to first order in (interval, downtime) / MTBF: one checkpoint's cost
-    per interval, and per failure the work since the newest checkpoint (half an interval on average) and the time
-    the job is down."""
+    """The expected fraction of wall time lost, to first order in (interval, downtime) / MTBF: a checkpoint's cost per
+    interval; per failure, the work since the newest checkpoint (half an interval on average) and the downtime."""
     return checkpoint_s / interval_s + (interval_s / 2 + down_s) / mtbf_s
 
 
 def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
-    """Goodput (1 - lost fraction) of plan `p` under failures, restarted by hand and elastic with spare nodes, at
-    Young's interval sqrt(2 x checkpoint cost x MTBF of the job) and at the one train.py's flags give."""
+    """Goodput (1 - lost fraction) of plan `p`, restarted by hand or elastic, at Young's interval and at train.py's."""
     mtbf_s = args.mtbf_hours * 3600 / p["world"]  # failures are independent: the job fails `world` times as often
     write_s = p["checkpoint"]["write_bytes"] / (args.storage_gbs * 1e9)
     read_s = p["checkpoint"]["read_bytes"] / (args.storage_gbs * 1e9)
@@ -679,42 +668,31 @@ def plan_parser() -> argparse.ArgumentParser:
     parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help), read as train.py reads "
-                                  "them: --preset, model overrides such as --dim=512, --seq_len, --global_batch, "
-                                  "--micro_batch, the layout (--dp_replicate, --ep, --keep_gathered), --ac, "
-                                  "--optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
+                                  "them: --preset, model overrides such as --dim=512, the batch and layout flags, "
+                                  "--ac, --optimizer, --steps, --step_timeout, --ckpt_every, --ckpt_minutes.")
     add = parser.add_argument
+    number = at_least(0).parse(float)
     add("--config", default="", help="the run's config file, read as train.py reads it")
     add("--gpus", type=at_least(0).parse(int), default=0, help="world size (0: the --config file's world_size, else 1)")
-    add("--gpu", choices=GPUS, default="b300",
-        help="GPU kind: peak bf16 TFLOP/s, memory, NVLink, default network and HBM bandwidth")
-    add("--tokens", type=at_least(0).parse(float), default=0,
-        help="training token budget: sets --steps to the steps that reach it (0: train.py's --steps)")
+    add("--gpu", choices=GPUS, default="b300", help="GPU kind: its bf16 peak, memory, NVLink, network and HBM speeds")
+    add("--tokens", type=number, default=0, help="token budget: sets --steps to reach it (0: train.py's --steps)")
     add("--mfu", type=Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1").parse(float), default=0.4,
-        help="the GPU's compute rate while it computes, a fraction of its bf16 peak (the time model adds "
-             "communication)")
-    add("--tflops", type=at_least(0).parse(float), default=0,
-        help="the compute rate in TFLOP/s, e.g. tflops_per_device from python bench.py --json on the GPU (0: --mfu "
-             "of the peak)")
+        help="the GPU's compute rate while it computes, a fraction of its bf16 peak (communication comes on top)")
+    add("--tflops", type=number, default=0,
+        help="the compute rate in TFLOP/s, e.g. bench.py --json's tflops_per_device on the GPU (0: --mfu of the peak)")
     add("--gpus_per_node", type=POSITIVE.parse(int), default=8, help="GPUs joined by NVLink")
-    add("--nvlink_gbs", type=at_least(0).parse(float), default=0, help="NVLink GB/s per GPU each way (0: the GPU "
-        "kind's)")
-    add("--net_gbs", type=at_least(0).parse(float), default=0,
-        help="network GB/s per GPU each way between nodes (0: the GPU kind's)")
-    add("--latency_us", type=at_least(0).parse(float), default=5.0, help="microseconds per step of a collective")
-    add("--hbm_gbs", type=at_least(0).parse(float), default=0,
-        help="GPU memory GB/s, for the optimizer's elementwise passes (0: the GPU kind's)")
-    add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
-        help="mean hours between failures of one GPU (with its share of host, network and software): 8192 is one "
-             "failure every 4 hours on 2,048 GPUs, as the run modelled here saw")
-    add("--repair_minutes", type=at_least(0).parse(float), default=30.0,
-        help="minutes from a failure to the relaunch when a person restarts the job: the no-step alert, someone on "
-             "call drains the node, swaps in a spare and relaunches")
-    add("--restart_minutes", type=at_least(0).parse(float), default=5.0,
-        help="minutes a restart takes besides reading the checkpoint: processes, rendezvous, NCCL set-up, "
-             "torch.compile (the time from launch to the first step in a run's log)")
+    add("--nvlink_gbs", type=number, default=0, help="NVLink GB/s per GPU each way (0: the GPU's)")
+    add("--net_gbs", type=number, default=0, help="network GB/s per GPU each way (0: the GPU's)")
+    add("--latency_us", type=number, default=5.0, help="microseconds per step of a collective")
+    add("--hbm_gbs", type=number, default=0, help="GPU memory GB/s, for the optimizer's passes (0: the GPU's)")
+    add("--mtbf_hours", type=above(0).parse(float), default=8192.0, help="mean hours between failures of one GPU, with "
+        "its share of host, network and software (8192: one every 4 hours on 2,048 GPUs, as the modelled run saw)")
+    add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand: the no-step "
+        "alert, then someone drains the node, swaps in a spare, relaunches")
+    add("--restart_minutes", type=number, default=5.0, help="minutes a restart takes besides reading the checkpoint: "
+        "processes, rendezvous, NCCL, torch.compile (launch to first step in a run's log)")
     add("--storage_gbs", type=above(0).parse(float), default=2.0,
-        help="GB/s each GPU writes and reads checkpoints at: the storage's aggregate rate / GPUs (2: 16 GB/s per "
-             "node of 8)")
+        help="GB/s each GPU writes and reads checkpoints at: the storage's rate / GPUs (2: 16 GB/s per node of 8)")
     add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
         help="also list the five fastest layouts that fit (--search=false: skip)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
@@ -722,8 +700,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
-    """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: global_batch over
-    the ranks the layout uses)."""
+    """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: a rank's share)."""
     tc, overrides = train.parse_args(argv)
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     return train.with_batch_defaults(tc, layout.world), overrides

@@ -635,7 +635,7 @@ def test_cli(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     for args, says in [(["sample", ckpt, "--promt=hi", "--tempature=1"], "did you mean --prompt, --temperature?"),
                        (["export", ckpt, str(tmp_path / "o"), "--dtype=bf16"], "checkpoint.py export --help lists"),
-                       (["export", ckpt, str(tmp_path / "o"), "--max_shard_gb=0"], "--max_shard_gb=0.0 must be above")]:
+                       (["export", ckpt, str(tmp_path / "o"), "--max_shard_gb=0"], "--max_shard_gb: 0 must be above")]:
         with pytest.raises(SystemExit) as exit_:
             checkpoint.main(args)
         assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -163,12 +163,15 @@ CLI_CFG = ModelConfig(vocab_size=100352, dim=32, n_layers=4, n_dense_layers=1, d
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A checkpoint root as train.py writes it (cl100k_base data) and its Hugging Face export."""
+    """A checkpoint root as train.py writes it (cl100k_base data) and the Hugging Face export of one that records no
+    tokenizer."""
     out = tmp_path_factory.mktemp("sample")
     model = tiny_model(CLI_CFG)
-    config = {"train": {"tokenizer": "cl100k_base"}, "model": CLI_CFG}
+    config = {"train": {"tokenizer": "cl100k_base"}, "model": CLI_CFG,
+              "tokenizer": {"name": "cl100k_base", "source": "cl100k_base"}}
     checkpoint.save(str(out / "ckpt"), 5, {"model": model}, config)
-    checkpoint.export_hf(str(out / "ckpt"), str(out / "hf"))
+    checkpoint.save(str(out / "bare"), 5, {"model": model}, {"model": CLI_CFG})
+    checkpoint.export_hf(str(out / "bare"), str(out / "hf"))
     return model, out
 
 
@@ -224,6 +227,19 @@ def test_cli_uses_a_hf_folders_tokenizer(saved, capsys, tmp_path):
     code, text, err = sample_cli(capsys, str(hf_dir), "--prompt=def x", "--max_new_tokens=6", "--temperature=0")
     assert code == 0 and text.splitlines()[1].split() == sample[:3]
     assert "1 x 1 tokens in" in err and "every sample reached end-of-text" in err
+
+
+def test_a_checkpoint_samples_with_the_tokenizer_its_data_recorded(tmp_path, monkeypatch):
+    """The tokenizer is config.json's "tokenizer" source, as train.py records it (a Hugging Face folder's absolute
+    path) and export_hf reads it, not train's --tokenizer, which may be relative to where training ran."""
+    import data
+    data.save_hf_tokenizer("cl100k_base", str(tmp_path / "run" / "tok"))
+    config = {"train": {"tokenizer": "tok"}, "model": CLI_CFG,
+              "tokenizer": {"name": "tok", "source": str(tmp_path / "run" / "tok")}}
+    checkpoint.save(str(tmp_path / "ckpt"), 1, {"model": tiny_model(CLI_CFG)}, config)
+    monkeypatch.chdir(tmp_path)  # not run/, where training found "tok"
+    _, tokenizer, why_none = checkpoint.sampling_model(str(tmp_path / "ckpt"), torch.device("cpu"))
+    assert why_none is None and tokenizer.encode("def f") == data.get_encoding("cl100k_base").encode("def f")
 
 
 def test_cli_a_checkpoint_and_its_export_read_the_same_prompts(saved, capsys, tmp_path):
