@@ -81,9 +81,8 @@ def check(settings) -> None:
 
 
 def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means ("did you mean"): `aliases`' name for it (another program's),
-    else the closest of `names` in spelling, else None. Leading dashes are ignored; the answer is spelled as in
-    `names`."""
+    """The name a mistyped `word` most likely means: `aliases`' name for it (another program's), else the closest of
+    `names` in spelling, else None; leading dashes ignored, spelled as in `names`."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
     if aliases and key in aliases:
@@ -107,8 +106,8 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: an unknown flag is refused naming the flag it most likely means
-    (refuse_unknown; `aliases`: other programs' names for its flags)."""
+    """argparse for every command line here: refuses an unknown flag naming the one it most likely means (aliases:
+    other programs' names for its flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -128,9 +127,8 @@ class ModelConfig:
     n_layers: int = option(4, "transformer blocks", POSITIVE)
     n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
                                  Rule(lambda v, c: 0 <= v <= c.n_layers, "between 0 and n_layers={n_layers}"))
-    dense_hidden: int = option(384, "the dense FFN's hidden width",
-                               Rule(lambda v, c: v >= 1 or not c.n_dense_layers, "at least 1 when there are dense "
-                                                                                  "layers"))
+    dense_hidden: int = option(384, "the dense FFN's hidden width", Rule(lambda v, c: v >= 1 or not c.n_dense_layers,
+                                                                         "at least 1 when there are dense layers"))
     n_heads: int = option(4, "query heads H", Rule(lambda v, c: v >= 1 and (c.n_kv_heads < 1 or v % c.n_kv_heads == 0),
                                                     "at least 1 and a multiple of n_kv_heads={n_kv_heads}"))
     n_kv_heads: int = option(2, "key/value heads G (grouped-query attention)", POSITIVE)
@@ -217,8 +215,8 @@ PRESETS = {
 }
 
 
-def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
-    return -(-n_tokens // multiple) * multiple
+def pad_vocab(n_tokens: int) -> int:
+    return -(-n_tokens // 128) * 128
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -302,8 +300,7 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
     if window is None and doc_ids_BT is None:
         return None
     q_11T1 = torch.arange(T, device=device).view(1, 1, T, 1)
-    kv_111T = torch.arange(T, device=device).view(1, 1, 1, T)
-    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
+    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, q_11T1.mT)
 
 
 @cache
@@ -417,8 +414,9 @@ ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers e
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
     projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
-    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto" (see below)."""
-    if impl == "auto":  # rows when decoding a few sequences on CPU, else grouped where it runs, else loop
+    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto": rows when
+    decoding a few sequences on CPU, else grouped where it runs, else loop."""
+    if impl == "auto":
         # On CPU grouped_mm runs expert after expert: for a handful of rows gathering each row's weights pays (tiny,
         # 256 experts: decoding 1 sequence 29% faster, 4 sequences 8%; 8 sequences, 32 rows, 14% slower).
         decoding = x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) <= ROWS_MOST
@@ -787,10 +785,8 @@ class Transformer(nn.Module):
         loss_B = None
         if targets_BT is None or cache is not None:
             out = self.head(h_BTD)
-        elif return_stats:
-            out, loss_B = self.head_loss(h_BTD, targets_BT, per_sequence=True)
         else:
-            out = self.head_loss(h_BTD, targets_BT)
+            out, loss_B = self.head_loss(h_BTD, targets_BT)
         if not return_stats:
             return out
         zero = torch.zeros((), device=x_BTD.device)
@@ -799,9 +795,9 @@ class Transformer(nn.Module):
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
         return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
-    def head_loss(self, h_BTD, targets_BT, per_sequence: bool = False):
-        """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits;
-        per_sequence: (that, each sequence's mean cross-entropy [B] without a gradient)."""
+    def head_loss(self, h_BTD, targets_BT):
+        """(The mean cross-entropy of head(h) against targets (-100 ignored), each sequence's [B] without a gradient),
+        without ever holding the logits."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
@@ -809,8 +805,6 @@ class Transformer(nn.Module):
         else:
             loss_N, n_valid = head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)
             loss = loss_N.sum() / n_valid
-        if not per_sequence:
-            return loss
         valid_B = (targets_BT != -100).sum(1).clamp(min=1)
         return loss, loss_N.view(targets_BT.shape).sum(1) / valid_B
 
