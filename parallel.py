@@ -157,8 +157,7 @@ def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
 def standby(rank: int, world: int, used: int):
     """A rank beyond a whole number of replicas: no model, no collective, until the job ends (rank 0's store says so,
     or is gone) or torchrun restarts it into a world that uses it."""
-    print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart",
-          flush=True)
+    print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart", flush=True)
     with contextlib.suppress(RuntimeError):  # rank 0, and with it the round, is gone: torchrun decides what follows
         while not _store.check(["done"]):
             time.sleep(1)
@@ -173,7 +172,7 @@ def finish(code: int) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "RANK" in os.environ:
-        if _store is not None and rank_world()[0] == 0:
+        if _store is not None:
             with contextlib.suppress(RuntimeError):
                 _store.set("done", str(code))
         for stream in (sys.stdout, sys.stderr):
@@ -456,10 +455,9 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
-    """Build on meta; EP, AC, compile, then FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
-    mesh None: one process, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
-    same weights whatever the layout. `compile`: True (inductor) or a backend name. On CPU a model whose shards times
-    `state_copies` cannot fit in memory is refused first."""
+    """Build on meta, then EP, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
+    mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of them cannot fit,
+    and initialise them from `seed`, the same weights whatever the layout. `compile`: True (inductor) or a backend."""
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
@@ -564,8 +562,7 @@ class Muon(torch.optim.Optimizer):
     adjust_lr_fn="original", batched; on a matrix [O, F], with lr·lr_scale (lr_scale: Muon's peak on lr's schedule):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
-    Row-sharded matrices (FSDP's dense weights) are dealt to the ranks of their shard group, whole matrices (the
-    experts) stay."""
+    Row-sharded matrices (FSDP's dense weights) are dealt to their shard group's ranks; whole ones (experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
@@ -573,7 +570,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
                         nesterov=nesterov, betas=tuple(betas), eps=eps, fused=fused)
         super().__init__(params, defaults)
-        self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
+        self.ns_dtype = ns_dtype
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
         for p in (p for group in self.param_groups if group["muon"] for p in group["params"]):
             muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
@@ -598,11 +595,10 @@ class Muon(torch.optim.Optimizer):
                 self._adamw(group)
                 continue
             for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 g = local(p.grad)
-                buf = local(state["momentum_buffer"])
+                buf = local(self.state[p]["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 by_layout.setdefault(muon_layout(p), []).append((p, u, group))
@@ -633,10 +629,6 @@ class Muon(torch.optim.Optimizer):
         # Each shard's rows: split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them.
         sizes = [-(-p.shape[0] // S) for p, _, _ in items]
         rows = [[max(0, min(s, p.shape[0] - r * s)) for r in range(S)] for (p, _, _), s in zip(items, sizes)]
-        for (p, u, _), r in zip(items, rows):
-            if u.shape[0] != r[me]:
-                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
-                                   f"{S}, not the {r[me]} of a torch.chunk split; Muon cannot reassemble it.")
         owned = deal([p.numel() for p, _, _ in items], S)
         device = items[0][1].device
         dtype = self._dtype(device)
@@ -647,11 +639,11 @@ class Muon(torch.optim.Optimizer):
             send_splits = [t.numel() for t in send]
             mine = todo[me]
             recv_splits = [n * items[mine][0].shape[1] for n in rows[mine]] if mine is not None else [0] * S
-            full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+            full = nothing.new_empty(sum(recv_splits))
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
                 full = newton_schulz(full.view(1, *items[mine][0].shape)).reshape(-1)
-            back = torch.empty(sum(send_splits), dtype=dtype, device=device)
+            back = nothing.new_empty(sum(send_splits))
             dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
             del full
             for o, i in zip(back.split(send_splits), todo):
