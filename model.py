@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: ok(value, settings) and the words that say so, which may name other fields
-    ("a multiple of n_kv_heads={n_kv_heads}"); --help lists a one_of rule's choices."""
+    """What a setting's value must be: ok(value, settings), and the words that say so, which may name other fields
+    ("a multiple of n_kv_heads={n_kv_heads}")."""
     ok: Callable
     words: str
     choices: tuple = ()
@@ -54,8 +54,8 @@ def at_least(low: float, words: str = "") -> Rule:
     return Rule(lambda v, _: v >= low, words or f"at least {low:g}")
 
 
-def above(low: float, words: str = "") -> Rule:
-    return Rule(lambda v, _: v > low, words or f"above {low:g}")
+def above(low: float) -> Rule:
+    return Rule(lambda v, _: v > low, f"above {low:g}")
 
 
 def one_of(*choices) -> Rule:
@@ -63,8 +63,8 @@ def one_of(*choices) -> Rule:
 
 
 def option(default, help: str, rule: Rule | None = None, parse: Callable | None = None):
-    """A settings field: its default, its help (with a one_of rule's choices), its rule and, where its text is more
-    than its type's (dp_replicate's "auto"), the function that reads it."""
+    """A settings field: default, help (plus a one_of rule's choices), rule and, where its text is more than its
+    type's (dp_replicate's "auto"), the function that reads it."""
     if rule is not None and rule.choices:
         help = f"{help}: {' | '.join(map(str, rule.choices))}"
     return field(default=default, metadata={"help": help, "rule": rule, "parse": parse})
@@ -81,9 +81,8 @@ def check(settings) -> None:
 
 
 def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means ("did you mean"): `aliases`' name for it (another program's),
-    else the closest of `names` in spelling, else None. Leading dashes are ignored; the answer is spelled as in
-    `names`."""
+    """The name a mistyped `word` most likely means: `aliases`' name for it (another program's), else the closest of
+    `names` in spelling, else None; leading dashes ignored, spelled as in `names`."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
     if aliases and key in aliases:
@@ -107,8 +106,8 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: an unknown flag is refused naming the flag it most likely means
-    (refuse_unknown; `aliases`: other programs' names for its flags)."""
+    """argparse for every command line here: refuses an unknown flag naming the one it most likely means (aliases:
+    other programs' names for its flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -128,9 +127,8 @@ class ModelConfig:
     n_layers: int = option(4, "transformer blocks", POSITIVE)
     n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
                                  Rule(lambda v, c: 0 <= v <= c.n_layers, "between 0 and n_layers={n_layers}"))
-    dense_hidden: int = option(384, "the dense FFN's hidden width",
-                               Rule(lambda v, c: v >= 1 or not c.n_dense_layers, "at least 1 when there are dense "
-                                                                                  "layers"))
+    dense_hidden: int = option(384, "the dense FFN's hidden width", Rule(lambda v, c: v >= 1 or not c.n_dense_layers,
+                                                                         "at least 1 when there are dense layers"))
     n_heads: int = option(4, "query heads H", Rule(lambda v, c: v >= 1 and (c.n_kv_heads < 1 or v % c.n_kv_heads == 0),
                                                     "at least 1 and a multiple of n_kv_heads={n_kv_heads}"))
     n_kv_heads: int = option(2, "key/value heads G (grouped-query attention)", POSITIVE)
@@ -217,8 +215,8 @@ PRESETS = {
 }
 
 
-def pad_vocab(n_tokens: int, multiple: int = 128) -> int:
-    return -(-n_tokens // multiple) * multiple
+def pad_vocab(n_tokens: int) -> int:
+    return -(-n_tokens // 128) * 128
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -302,8 +300,7 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
     if window is None and doc_ids_BT is None:
         return None
     q_11T1 = torch.arange(T, device=device).view(1, 1, T, 1)
-    kv_111T = torch.arange(T, device=device).view(1, 1, 1, T)
-    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, kv_111T)
+    return mask_mod(torch.arange(B or 1, device=device).view(-1, 1, 1, 1), None, q_11T1, q_11T1.mT)
 
 
 @cache
@@ -350,9 +347,9 @@ class Attention(nn.Module):
 
 
 class KVCache:
-    """One layer's keys and values while generating: the whole prompt first (attended with the layer's mask), then
-    one token per call, which attends to every cached key. A local layer keeps its last `window` keys in a ring (keys
-    are cached after RoPE and attention ignores their order), position p in slot p % window."""
+    """One layer's keys and values while generating: the whole prompt first (with the layer's mask), then one token a
+    call, attending to every cached key. A local layer keeps its last `window` keys in a ring, position p in slot
+    p % window (keys are cached after RoPE; attention ignores their order)."""
 
     def __init__(self, length: int, window: int | None):
         self.size = length if window is None else min(window, length)
@@ -417,8 +414,9 @@ ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers e
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
     projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
-    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto" (see below)."""
-    if impl == "auto":  # rows when decoding a few sequences on CPU, else grouped where it runs, else loop
+    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto": rows when
+    decoding a few sequences on CPU, else grouped where it runs, else loop."""
+    if impl == "auto":
         # On CPU grouped_mm runs expert after expert: for a handful of rows gathering each row's weights pays (tiny,
         # 256 experts: decoding 1 sequence 29% faster, 4 sequences 8%; 8 sequences, 32 rows, 14% slower).
         decoding = x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) <= ROWS_MOST
@@ -451,8 +449,8 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked (HF layout): gate_up_proj [E, 2I, D], down_proj [E, D, I]. Takes rows sorted by
-    expert, so parallel.py's expert-parallel path runs the same expert_ffn on its local weights."""
+    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert: parallel.py's expert-parallel path runs the
+    same expert_ffn on its local weights."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -610,9 +608,8 @@ def fp32_matmul_is_exact(device: torch.device) -> bool:
 
 
 def lse_and_grad(logits_CV, t_C1, g_CV=None):
-    """Each row's log-sum-exp [C, 1] in fp32; with g_CV, softmax - onehot(t) written into it, taken in fp32 and rounded
-    once, so that a confident row's gradient is not a difference of two rounded numbers. Compiled on CUDA, it reads
-    the logits once for the row maxima and sums and once for the gradient."""
+    """Each row's log-sum-exp [C, 1] in fp32; with g_CV, softmax - onehot(t) written into it, rounded once from fp32 (a
+    confident row's gradient is no difference of two rounded numbers). Compiled on CUDA it reads the logits twice."""
     x_CV = logits_CV.float()
     max_C1 = x_CV.amax(-1, keepdim=True)
     sum_C1 = x_CV.sub_(max_C1).exp_().sum(-1, keepdim=True)
@@ -625,9 +622,8 @@ def lse_and_grad(logits_CV, t_C1, g_CV=None):
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
     """(each row's cross-entropy [N] of h @ weight.T against targets, 0 where the target is -100; the valid rows), a
     chunk of rows at a time: the [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32,
-    from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h, never
-    dividing [rows, V]. Rounding matmuls: lse_and_grad's gradient, kept for HEAD_GRAD_CHUNKS chunks before their dh
-    and dW matmuls."""
+    from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h (no
+    [rows, V] division). Rounding matmuls: lse_and_grad's gradient, HEAD_GRAD_CHUNKS chunks per dh and dW matmul."""
     device = h_ND.device
     N, D = h_ND.shape
     V = weight_VD.shape[0]
@@ -649,7 +645,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
             for start in range(0, N, rows):
                 end = min(start + rows, N)
-                t = targets_N1[start:start + rows]
+                t = targets_N1[start:end]
                 logits_CV = h_ND[start:end] @ weight_VD.t()
                 picked_N1[start:end] = logits_CV.gather(1, t)
                 first = start - start % group
@@ -787,10 +783,8 @@ class Transformer(nn.Module):
         loss_B = None
         if targets_BT is None or cache is not None:
             out = self.head(h_BTD)
-        elif return_stats:
-            out, loss_B = self.head_loss(h_BTD, targets_BT, per_sequence=True)
         else:
-            out = self.head_loss(h_BTD, targets_BT)
+            out, loss_B = self.head_loss(h_BTD, targets_BT)
         if not return_stats:
             return out
         zero = torch.zeros((), device=x_BTD.device)
@@ -799,9 +793,9 @@ class Transformer(nn.Module):
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
         return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
-    def head_loss(self, h_BTD, targets_BT, per_sequence: bool = False):
-        """The mean cross-entropy of head(h) against targets (-100 ignored), without ever holding the logits;
-        per_sequence: (that, each sequence's mean cross-entropy [B] without a gradient)."""
+    def head_loss(self, h_BTD, targets_BT):
+        """(The mean cross-entropy of head(h) against targets (-100 ignored), each sequence's [B] without a gradient),
+        without ever holding the logits."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
@@ -809,21 +803,19 @@ class Transformer(nn.Module):
         else:
             loss_N, n_valid = head_cross_entropy(h_ND, self.head.weight, targets_N, grads=False)
             loss = loss_N.sum() / n_valid
-        if not per_sequence:
-            return loss
         valid_B = (targets_BT != -100).sum(1).clamp(min=1)
         return loss, loss_N.view(targets_BT.shape).sum(1) / valid_B
 
     def num_params(self) -> dict:
         """Total and active (one token's share of the routed experts) counts; works on a meta-device model."""
         total = sum(p.numel() for p in self.parameters())
-        routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in self.moe_layers())
+        routed = sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
         return {"total": total, "active": total - routed + routed * self.cfg.top_k // self.cfg.n_experts}
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 * (matmul weights one token touches, embedding table excluded) + 12 * sum_l H * Dh * ctx_l."""
         cfg = self.cfg
-        norms = sum(p.numel() for m in self.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        norms = sum(m.weight.numel() for m in self.modules() if isinstance(m, RMSNorm))
         matmul = self.num_params()["active"] - self.embed.weight.numel() - norms
         ctx = sum(seq_len if cfg.is_global(i) else min(cfg.window, seq_len) for i in range(cfg.n_layers))
         return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * ctx
@@ -835,11 +827,10 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, tokens_BT, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, allowed_V: torch.Tensor | None = None, stop_id: int | None = None):
-        """Sample max_new_tokens after each row of tokens_BT (sample_next's arguments); returns [B, T + new]. The
-        prompt runs once into a KV cache, then one token per step, eagerly (no recompiling per length). A row that
-        samples stop_id (end-of-text) repeats it; sampling ends once every row has. A sharded model's ranks must all
-        call it with the same tokens and RNG state, and give stop_id only where their draws cannot differ (a rank that
-        stops alone leaves the others waiting)."""
+        """Sample max_new_tokens after each row of tokens_BT (sample_next's arguments): [B, T + new]. The prompt fills
+        a KV cache once, then one token a step, eagerly (no recompiling per length). A row that samples stop_id repeats
+        it; sampling ends once every row has. A sharded model's ranks must call it with the same tokens and RNG state,
+        and give stop_id only where their draws cannot differ (a rank stopping alone leaves the others waiting)."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
             _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "

@@ -36,7 +36,7 @@ from torch.optim.adamw import adamw
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                      noop_context_fn)
 
-from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn
+from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn, meta_model
 
 AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "muon")
@@ -157,15 +157,11 @@ def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
 def standby(rank: int, world: int, used: int):
     """A rank beyond a whole number of replicas: no model, no collective, until the job ends (rank 0's store says so,
     or is gone) or torchrun restarts it into a world that uses it."""
-    print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart",
-          flush=True)
-    while True:
-        time.sleep(1)
-        try:
-            if _store.check(["done"]):
-                os._exit(0)
-        except RuntimeError:  # rank 0, and with it the round, is gone: torchrun decides what follows
-            os._exit(0)
+    print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart", flush=True)
+    with contextlib.suppress(RuntimeError):  # rank 0, and with it the round, is gone: torchrun decides what follows
+        while not _store.check(["done"]):
+            time.sleep(1)
+    os._exit(0)
 
 
 def finish(code: int) -> int:
@@ -176,7 +172,7 @@ def finish(code: int) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "RANK" in os.environ:
-        if _store is not None and rank_world()[0] == 0:
+        if _store is not None:
             with contextlib.suppress(RuntimeError):
                 _store.set("done", str(code))
         for stream in (sys.stdout, sys.stderr):
@@ -366,10 +362,8 @@ class ExpertParallelExperts(GroupedExperts):
             recv_counts_PL.flatten(), output_size=sum(recv_splits))
         order_R = torch.argsort(expert_R, stable=True)
         y_RD = expert_ffn(x_RD.index_select(0, order_R), recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
-                          self.down_proj.to_local(), self.impl,
-                          scale_R.index_select(0, order_R))
-        y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order
-        # Results return to the ranks the tokens came from, in the order they were sent.
+                          self.down_proj.to_local(), self.impl, scale_R.index_select(0, order_R))
+        y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order, then to the senders
         return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
 
 
@@ -379,13 +373,12 @@ def apply_ep(model: Transformer, mesh: DeviceMesh):
         moe.experts = ExpertParallelExperts(moe.experts, mesh["ep"])
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype = torch.float32):
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None):
     """fully_shard each block and the root over (dp_replicate, dp_shard), routed experts over (dp_replicate, efsdp)."""
     replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
     dense_mesh = _submesh(mesh, *replicas, "dp_shard")
     expert_mesh = mesh[(*replicas, "efsdp")]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
             experts = fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
@@ -462,12 +455,10 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
                 ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
-    """Build on meta; EP, AC, compile, then FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
-    mesh None: one process, only AC and compile); allocate this rank's shards and initialise them from `seed`, the
-    same weights whatever the layout. `compile`: True (inductor) or a backend name. On CPU a model whose shards times
-    `state_copies` cannot fit in memory is refused first."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    """Build on meta, then EP, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
+    mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of them cannot fit,
+    and initialise them from `seed`, the same weights whatever the layout. `compile`: True (inductor) or a backend."""
+    model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
     apply_ac(model, ac)
@@ -509,21 +500,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, 5 steps (torch.optim.Muon's too)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's too)
 NS_STEPS = 5
 
 
-def newton_schulz(u_XOF: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple = NS_COEFFICIENTS, eps: float = 1e-7,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then `steps` quintic
-    iterations in `dtype` (default: the input's), turned wide so the Gram matrices are the small ones; batched."""
-    a, b, c = coefficients
-    w_XQW = u_XOF.to(dtype or u_XOF.dtype)
-    tall = w_XQW.shape[-2] > w_XQW.shape[-1]
-    if tall:
-        w_XQW = w_XQW.mT
-    w_XQW = w_XQW / w_XQW.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
+def newton_schulz(u_XOF: torch.Tensor) -> torch.Tensor:
+    """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then NS_STEPS quintic
+    iterations in the input's dtype, turned wide so the Gram matrices are the small ones; batched."""
+    a, b, c = NS_COEFFICIENTS
+    tall = u_XOF.shape[-2] > u_XOF.shape[-1]
+    w_XQW = u_XOF.mT if tall else u_XOF
+    w_XQW = w_XQW / w_XQW.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    for _ in range(NS_STEPS):
         gram_XQQ = w_XQW @ w_XQW.mT
         poly_XQQ = torch.baddbmm(gram_XQQ, gram_XQQ, gram_XQQ, beta=b, alpha=c)
         w_XQW = torch.baddbmm(w_XQW, poly_XQQ, w_XQW, beta=a)
@@ -574,8 +562,7 @@ class Muon(torch.optim.Optimizer):
     adjust_lr_fn="original", batched; on a matrix [O, F], with lr·lr_scale (lr_scale: Muon's peak on lr's schedule):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
-    Row-sharded matrices (FSDP's dense weights) are dealt to the ranks of their shard group, whole matrices (the
-    experts) stay."""
+    Row-sharded matrices (FSDP's dense weights) are dealt to their shard group's ranks; whole ones (experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
@@ -583,7 +570,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
                         nesterov=nesterov, betas=tuple(betas), eps=eps, fused=fused)
         super().__init__(params, defaults)
-        self.ns_dtype = ns_dtype  # None: bf16 on GPU, fp32 elsewhere
+        self.ns_dtype = ns_dtype
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
         for p in (p for group in self.param_groups if group["muon"] for p in group["params"]):
             muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
@@ -608,11 +595,10 @@ class Muon(torch.optim.Optimizer):
                 self._adamw(group)
                 continue
             for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 g = local(p.grad)
-                buf = local(state["momentum_buffer"])
+                buf = local(self.state[p]["momentum_buffer"])
                 buf.lerp_(g, 1 - group["momentum"])
                 u = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 by_layout.setdefault(muon_layout(p), []).append((p, u, group))
@@ -622,18 +608,14 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalise_local(self, items: list):
         """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
-        open_batches: dict = {}  # (matrix shape, device) -> [items, elements] of the batch being filled
-        batches = []
+        by_shape: dict = {}  # (matrix shape, device) -> its batches, the last one being filled
         for p, u, group in items:
             u = u.reshape(-1, *u.shape[-2:])
-            key = (u.shape[-2:], u.device)
-            batch = open_batches.get(key)
-            if batch is None or batch[1] + u.numel() > self.batch_elements:
-                batch = open_batches[key] = [[], 0]
-                batches.append(batch[0])
-            batch[0].append((p, u, group))
-            batch[1] += u.numel()
-        for batch in batches:
+            batches = by_shape.setdefault((u.shape[-2:], u.device), [[]])
+            if batches[-1] and sum(v.numel() for _, v, _ in batches[-1]) + u.numel() > self.batch_elements:
+                batches.append([])
+            batches[-1].append((p, u, group))
+        for batch in sum(by_shape.values(), []):
             dtype = self._dtype(batch[0][1].device)  # cast before the copy into one batch: fewer bytes to move
             o_XOF = newton_schulz(torch.cat([u.to(dtype) for _, u, _ in batch]))
             for (p, u, group), o in zip(batch, o_XOF.split([u.shape[0] for _, u, _ in batch])):
@@ -647,10 +629,6 @@ class Muon(torch.optim.Optimizer):
         # Each shard's rows: split like torch.chunk, as DTensor's Shard(0) and FSDP2 split them.
         sizes = [-(-p.shape[0] // S) for p, _, _ in items]
         rows = [[max(0, min(s, p.shape[0] - r * s)) for r in range(S)] for (p, _, _), s in zip(items, sizes)]
-        for (p, u, _), r in zip(items, rows):
-            if u.shape[0] != r[me]:
-                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has {u.shape[0]} rows on shard {me} of "
-                                   f"{S}, not the {r[me]} of a torch.chunk split; Muon cannot reassemble it.")
         owned = deal([p.numel() for p, _, _ in items], S)
         device = items[0][1].device
         dtype = self._dtype(device)
@@ -661,11 +639,11 @@ class Muon(torch.optim.Optimizer):
             send_splits = [t.numel() for t in send]
             mine = todo[me]
             recv_splits = [n * items[mine][0].shape[1] for n in rows[mine]] if mine is not None else [0] * S
-            full = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+            full = nothing.new_empty(sum(recv_splits))
             dist.all_to_all_single(full, torch.cat(send), recv_splits, send_splits, group=group_pg)
             if mine is not None:
                 full = newton_schulz(full.view(1, *items[mine][0].shape)).reshape(-1)
-            back = torch.empty(sum(send_splits), dtype=dtype, device=device)
+            back = nothing.new_empty(sum(send_splits))
             dist.all_to_all_single(back, full, send_splits, recv_splits, group=group_pg)
             del full
             for o, i in zip(back.split(send_splits), todo):
@@ -681,13 +659,11 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), device=local(p).device if group["fused"] else "cpu")
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-        if params:
-            states = [self.state[p] for p in params]
-            adamw([local(p) for p in params], [local(p.grad) for p in params],
-                  [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
-                  [s["step"] for s in states], fused=group["fused"] or None, amsgrad=False, beta1=group["betas"][0],
-                  beta2=group["betas"][1], lr=group["lr"] * group["lr_scale"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+        states = [self.state[p] for p in params]
+        adamw([local(p) for p in params], [local(p.grad) for p in params], [local(s["exp_avg"]) for s in states],
+              [local(s["exp_avg_sq"]) for s in states], [], [s["step"] for s in states], fused=group["fused"] or None,
+              amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"] * group["lr_scale"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
 def build_optimizer(model, tc, fused: bool = True):

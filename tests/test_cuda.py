@@ -130,7 +130,7 @@ def test_fused_head_loss_on_cuda(autocast, chunk_rows, monkeypatch):
         model.zero_grad(set_to_none=True)
         h = h_BTD.clone().requires_grad_()
         with torch.autocast(CUDA.type, dtype=torch.bfloat16, enabled=autocast and fused):
-            loss = (model.head_loss(h, targets_BT) if fused else
+            loss = (model.head_loss(h, targets_BT)[0] if fused else
                     F.cross_entropy(model.head(h).flatten(0, 1).float(), targets_BT.flatten()))
         loss.backward()
         results.append((loss, h.grad, model.head.weight.grad))

@@ -158,10 +158,10 @@ def test_fused_head_loss_matches_linear_then_cross_entropy(autocast, ignore, chu
         h = h_BTD.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and fused):
             with torch.autograd.graph.saved_tensors_hooks(pack if fused else (lambda t: t), lambda t: t):
-                loss = (model.head_loss(h, targets_BT) if fused else
+                loss = (model.head_loss(h, targets_BT)[0] if fused else
                         F.cross_entropy(model.head(h).flatten(0, 1).float(), targets_BT.flatten()))
             with torch.no_grad():
-                no_grad_loss = model.head_loss(h, targets_BT)
+                no_grad_loss = model.head_loss(h, targets_BT)[0]
         (2.5 * loss).backward()
         results.append((loss, no_grad_loss, h.grad, model.head.weight.grad))
     tol = 2e-2 if autocast else 1e-5
@@ -194,7 +194,7 @@ def test_fused_head_loss_shifts_rows_whose_exponentials_overflow_or_underflow(au
         model.zero_grad(set_to_none=True)
         h = h_ND.clone().unsqueeze(0).requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = (model.head_loss(h, targets_BT) if fused else
+            loss = (model.head_loss(h, targets_BT)[0] if fused else
                     F.cross_entropy(model.head(h).flatten(0, 1), targets_BT.flatten()))
         (2.5 * loss).backward()
         results.append((loss, h.grad, model.head.weight.grad))
