@@ -663,7 +663,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     torch.manual_seed(tc.seed)
     ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
     hf = transformers.AfmoeForCausalLM(transformers.AfmoeConfig(**cfg.to_hf(), use_cache=False)).to(device).train()
-    hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict(), cfg), strict=True)
+    hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict()), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
     opt_hf = parallel.build_optimizer(hf, tc)
     state = train.TrainState.fresh(ours, device)

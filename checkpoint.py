@@ -82,7 +82,7 @@ def _hf_name(ours: str) -> str:
     return _TOP_KEYS[ours]
 
 
-def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+def to_hf_state_dict(sd: dict) -> dict:
     """Our state dict -> transformers' AfmoeForCausalLM state dict (same tensors, renamed)."""
     return {_hf_name(k): v for k, v in sd.items()}
 
@@ -578,7 +578,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         for file, shard in zip(files, shards):
             sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
             dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
-            hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard}, cfg)
+            hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard})
             save_file(hf_sd, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(hf_sd, file))
         if len(files) > 1:
@@ -632,7 +632,7 @@ def load_hf_into(model, hf_dir: str):
     reader = dcp.HuggingFaceStorageReader(hf_dir)
     shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
     tensors = get_model_state_dict(model, options=_OPTIONS)
-    wanted = to_hf_state_dict(tensors, model.cfg)
+    wanted = to_hf_state_dict(tensors)
     missing = sorted(set(wanted) - set(shapes))
     if missing:
         raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "

@@ -102,7 +102,7 @@ def test_global_counts_cover_every_micro_batch_and_rank(corpus_dir, tmp_path):
     cfg = train.model_config(tc, overrides, vocab_size=100277)
     torch.manual_seed(0)
     os.makedirs(tmp_path / "init")
-    save_file(to_hf_state_dict(Transformer(cfg).state_dict(), cfg), str(tmp_path / "init" / "model.safetensors"))
+    save_file(to_hf_state_dict(Transformer(cfg).state_dict()), str(tmp_path / "init" / "model.safetensors"))
     with open(tmp_path / "init" / "config.json", "w") as f:
         json.dump(cfg.to_hf(), f)
     common = [f"--data={corpus_dir}", "--seq_len=32", "--global_batch=8", "--steps=3", "--log_every=1",

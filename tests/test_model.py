@@ -66,7 +66,7 @@ def test_logits_match_transformers_to_hf():
     ours = Transformer(cfg).eval()
     randomise_(ours, g)
     hf = hf_model(cfg)
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=True)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict()), strict=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
