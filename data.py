@@ -162,9 +162,8 @@ def tokenizer_name(name: str) -> str:
 
 
 def same_tokenizer(a: str, b: str) -> bool:
-    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or else, for a folder,
-    the same vocabulary (a Hugging Face folder exported from a tiktoken encoding gives the same ids under another
-    name). Two tiktoken encodings of other names differ."""
+    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or, for a folder, the
+    same vocabulary (a folder exported from a tiktoken encoding has its ids under another name)."""
     if tokenizer_name(a) == tokenizer_name(b):
         return True
     return (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
@@ -209,10 +208,9 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
-              "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_durably(os.path.join(out_dir, "tokenizer_config.json"), json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
+        "clean_up_tokenization_spaces": False}, indent=1))
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -405,34 +403,29 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
 
 
 def _text_batches(pieces: list[tuple[str, int, int]], read):
-    """The documents read(path, start, end) yields, in ~1 MB tasks: handing one to a thread is cheap next to its
-    tokenising."""
-    texts = []
-    nbytes = 0
+    """The (text, bytes consumed) pairs read(path, start, end) yields, in ~1 MB tasks: handing one to a thread is cheap
+    next to its tokenising."""
+    batch = []
     chars = 0
-    for piece in pieces:
-        for text, consumed in read(*piece):
-            texts.append(text)
-            nbytes += consumed
-            chars += len(text)
-            if chars >= 1 << 20:
-                yield texts, nbytes
-                texts = []
-                nbytes = 0
-                chars = 0
-    yield texts, nbytes
+    for text, consumed in itertools.chain.from_iterable(read(*piece) for piece in pieces):
+        batch.append((text, consumed))
+        chars += len(text)
+        if chars >= 1 << 20:
+            yield batch
+            batch = []
+            chars = 0
+    yield batch
 
 
-def _encode_batch(enc, batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
-    texts, nbytes = batch
-    texts = [text for text in texts if text]
+def _encode_batch(enc, batch: list[tuple[str, int]]) -> tuple[list[np.ndarray], int]:
+    texts = [text for text, _ in batch if text]
     # ordinary encoding: a literal "<|endoftext|>" inside a document is text, so only we place separators
     if isinstance(enc, HFTokenizer):
         docs = [encoding.ids for encoding in enc.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     else:  # straight into an array: no list of Python ints to convert
         docs = [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
     eot = np.array([enc.eot_token], _token_dtype(enc.n_vocab))
-    return [np.concatenate([doc, eot]).astype(eot.dtype, copy=False) for doc in docs], nbytes
+    return [np.concatenate([doc, eot]).astype(eot.dtype, copy=False) for doc in docs], sum(n for _, n in batch)
 
 
 def _in_order(futures, window: int):
@@ -549,15 +542,9 @@ def _say(quiet: bool):
 
 def _finished_part(path: str, fingerprint: str) -> bool:
     """Whether path is the manifest of a part of this preparation whose shards are all in place, whole."""
-    try:
-        with open(path) as f:
-            part = json.load(f)
-        shards = [shard for split in part["splits"].values() for shard in split]
-        sizes = [os.path.getsize(os.path.join(os.path.dirname(path), shard["file"])) for shard in shards]
-        whole = [HEADER_BYTES + shard["tokens"] * np.dtype(part["dtype"]).itemsize for shard in shards]
-        return part["fingerprint"] == fingerprint and sizes == whole
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    with contextlib.suppress(DataError, OSError, KeyError):
+        return load_manifest(*os.path.split(path))["fingerprint"] == fingerprint
+    return False
 
 
 def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
@@ -667,10 +654,7 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
              f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
-    parts = []
-    for name in names:
-        with open(os.path.join(out_dir, name)) as f:
-            parts.append(json.load(f))
+    parts = [load_manifest(out_dir, name) for name in names]
 
     def settings(part: dict) -> dict:  # the fingerprint, last, also covers the input files' sizes and times
         return {"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
@@ -712,16 +696,16 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
 # --- reading: sources (prepared directories, Megatron-LM datasets), mixtures of them, batches
 
 
-def load_manifest(data_dir: str) -> dict:
-    """The manifest of a prepared directory, after checking every shard's header and size against it; for a
-    Megatron-LM dataset's path prefix (PREFIX.bin and PREFIX.idx), one made from its index."""
+def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
+    """The manifest of a prepared directory (or of its part `name`), after checking every shard's header and size
+    against it; for a Megatron-LM dataset's path prefix (PREFIX.bin and PREFIX.idx), one made from its index."""
     if os.path.isfile(data_dir + ".idx"):
         return _megatron_manifest(data_dir)
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
     _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it, or name a "
              f"Megatron-LM dataset by its path prefix (PREFIX for PREFIX.bin and PREFIX.idx)")
-    path = os.path.join(data_dir, "manifest.json")
-    _require(os.path.isfile(path), f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
+    path = os.path.join(data_dir, name)
+    _require(os.path.isfile(path), f"{data_dir!r} has no {name}, so its preparation never finished; {fix}")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -1024,8 +1008,8 @@ class DataLoader:
 
         read_S = np.zeros(len(self.sources), np.int64)
         for k, (start, end) in enumerate(zip(self.starts, self.starts[1:] + [step])):
-            if start < min(end, step):
-                read_S += before(k, min(end, step)) - before(k, start)
+            end = max(start, min(end, step))  # a phase that starts after step reads nothing
+            read_S += before(k, end) - before(k, start)
         return read_S
 
     def epochs(self, step: int) -> np.ndarray:
@@ -1056,7 +1040,6 @@ class DataLoader:
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""
         available = self.num_sequences // self.global_batch
         return map(self.batch, range(available if n is None else min(n, available)))
-
 
 
 # --- command line
