@@ -202,9 +202,8 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     # Oniguruma reads a possessive X{1,3}+ as (X{1,3})+; the greedy X{1,3} is the same wherever it ends its
     # alternative, as cl100k_base's digit runs \p{N}{1,3}+ do
     pattern = re.sub(r"(?<!\\)(\{\d+(?:,\d*)?\})\+", r"\1", enc._pat_str)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                use_regex=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
@@ -247,9 +246,8 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
 
 
 def _paragraph_documents(f, max_chars: int):
-    """A text file cut into documents of whole paragraphs (each with the blank lines after it), as many as fit in
-    max_chars characters, read a line (of at most max_chars) at a time; a longer paragraph is cut at line ends.
-    Joined, they are the file's text."""
+    """A text file as documents of whole paragraphs (each with the blank lines after it), as many as fit in max_chars
+    characters; a longer paragraph is cut at line ends (a line: at most max_chars). Joined, they are the file's text."""
     lines = []  # the document so far
     size = 0  # its length
     start = 0  # where its last paragraph starts in it
@@ -326,9 +324,8 @@ class _Slice(io.RawIOBase):
 
 
 def _document_start(f, position: int, marker: bytes) -> int:
-    """The first byte at or after `position` of the binary file f that starts a document: 0, or the byte after a
-    `marker` (the end of the file if none). A piece reads from its first byte's start to the next piece's: neighbouring
-    pieces share no document."""
+    """The first byte at or after `position` of binary file f that starts a document: 0, or the byte after a `marker`
+    (the file's end if none). A piece reads from there to the next piece's: neighbouring pieces share no document."""
     if position == 0:
         return 0
     f.seek(max(0, position - len(marker)))
@@ -348,9 +345,8 @@ def _line_number(path: str, position: int) -> int:
 
 
 def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None):
-    """Yields (text, input bytes consumed) per document that starts in bytes [start, end) of the file: a .jsonl line,
-    the rows of a parquet row group, a whole .py file, or a piece of any other text file (at doc_separator if given,
-    else paragraphs grouped up to doc_chars characters); the documents of a text file restart at a piece's start."""
+    """(text, input bytes consumed) of each document starting in bytes [start, end) of the file: a .jsonl line, a
+    parquet row, a whole .py file, or a piece of another text file (at doc_separator, else doc_chars of paragraphs)."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -377,34 +373,31 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
             begin = _document_start(f, start, marker)
             piece = io.BufferedReader(_Slice(f, begin, _document_start(f, end, marker)))
             if path.endswith(".jsonl"):
-                position = begin
-                for line in piece:
+                for number, line in enumerate(piece):
                     try:
                         record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
                     except json.JSONDecodeError as e:
-                        raise DataError(f"{path} line {_line_number(path, position)} is not valid JSON ({e}); fix or "
-                                        f"remove that line") from None
+                        raise DataError(f"{path} line {_line_number(path, begin) + number} is not valid JSON ({e}); "
+                                        f"fix or remove that line") from None
                     text = record.get(text_field) if isinstance(record, dict) else None
-                    if not isinstance(text, str):  # the message only when it is needed: this runs once per document
+                    if not isinstance(text, str):
                         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path} line {_line_number(path, position)} has no text field {text_field!r} "
-                                        f"(it has {keys}); pass --text_field with the name of the field that holds "
-                                        f"the text")
-                    position += len(line)
+                        raise DataError(f"{path} line {_line_number(path, begin) + number} has no text field "
+                                        f"{text_field!r} (it has {keys}); pass --text_field with the name of the "
+                                        f"field that holds the text")
                     yield text, len(line)
                 return
             text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
             documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
                          _paragraph_documents(text, doc_chars))
             consumed = start
-            for document in documents:  # the bytes read so far, for the progress bar
+            for document in documents:  # with the bytes read since the last, for the progress bar
                 yield document, f.tell() - consumed
                 consumed = f.tell()
 
 
 def _text_batches(pieces: list[tuple[str, int, int]], read):
-    """The (text, bytes consumed) pairs read(path, start, end) yields, in ~1 MB tasks: handing one to a thread is cheap
-    next to its tokenising."""
+    """read(*piece)'s (text, bytes) pairs in ~1 MB tasks: handing one to a thread is cheap next to its tokenising."""
     batch = []
     chars = 0
     for text, consumed in itertools.chain.from_iterable(read(*piece) for piece in pieces):
@@ -429,8 +422,7 @@ def _encode_batch(enc, batch: list[tuple[str, int]]) -> tuple[list[np.ndarray], 
 
 
 def _in_order(futures, window: int):
-    """The results of lazily submitted futures in order, `window` of them submitted ahead: bounded memory however large
-    the inputs, and no thread waits for work."""
+    """The results of lazily submitted futures in order, `window` of them ahead: bounded memory, and no idle thread."""
     pending = collections.deque(itertools.islice(futures, window))
     while pending:
         future = pending.popleft()
@@ -439,14 +431,14 @@ def _in_order(futures, window: int):
 
 
 def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, workers: int, say, label: str):
-    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on the pool's `workers`
-    threads (both tokenizer libraries encode without holding Python's lock) while this one reads."""
+    """Every document's tokens and end-of-text, in input order, tokenised on the pool's threads (both tokenizer
+    libraries encode without holding Python's lock) while this one reads."""
     total_bytes = sum(end - start for _, start, end in pieces)
     done_bytes = 0
     n_tokens = 0
     started = time.time()
-    batches = _text_batches(pieces, read)
-    for docs, nbytes in _in_order((pool.submit(_encode_batch, enc, batch) for batch in batches), 4 * workers):
+    tasks = (pool.submit(_encode_batch, enc, batch) for batch in _text_batches(pieces, read))
+    for docs, nbytes in _in_order(tasks, 4 * workers):
         yield from docs
         done_bytes += nbytes
         n_tokens += sum(map(len, docs))
@@ -457,8 +449,7 @@ def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, wo
 
 
 def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
-    """Write a file that readers see whole or not at all (the old file until then), on disk when this returns: how
-    every stage file writes what must survive a crash."""
+    """A file readers see whole or not at all (else the old one), on disk on return: every stage's crash-safe write."""
     with open(path + ".tmp", "wb") as f:
         f.writelines(chunk.encode() if isinstance(chunk, str) else chunk for chunk in chunks)
         f.flush()
@@ -512,7 +503,7 @@ class _ShardWriter:
 
 class _ShuffleBuffer(_ShardWriter):
     """The Trinity report's random sequential document buffer: documents leave in a seeded random order, so a batch is
-    not one source's neighbouring files; a part that fits is shuffled whole."""
+    not one source's neighbouring files."""
 
     def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
@@ -575,9 +566,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
             part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
             quiet: bool = False) -> dict | None:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir, part by part, then merges the parts and
-    returns the manifest. With shard=(i, n) it prepares only parts i, i + n, ... and returns None; `merge` follows
-    once all n are done, writing the same bytes."""
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part, then merges them and returns
+    the manifest; with shard=(i, n) only parts i, i + n, ... and None: `merge` writes the same bytes once all n ran."""
     say = _say(quiet)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
@@ -648,8 +638,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 
 def merge(out_dir: str, quiet: bool = False) -> dict:
     """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing)
-    and writes the manifest.json train.py reads, listing their shards in part order; shard files no part lists (an
-    earlier preparation's) are removed."""
+    and writes manifest.json, their shards in part order; shard files no part lists (an earlier preparation's) go."""
     say = _say(quiet)
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
@@ -751,21 +740,23 @@ def _megatron_arrays(index: str, sequences: int, document_starts: int) -> tuple[
 
 
 def _megatron_manifest(prefix: str) -> dict:
-    """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
-    name); its index is checked, never read whole."""
+    """A Megatron-LM dataset as a one-file train split with no tokenizer name; its index checked, never read whole."""
     index = prefix + ".idx"
     bin_path = prefix + ".bin"
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
     _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
-    with open(index, "rb") as f:
-        raw = f.read(MEGATRON_HEADER.size)
+    size = os.path.getsize(index)
+    with open(index, "rb") as f:  # its header; with the last MiB, what fingerprints it: cheap for a terabyte dataset
+        head = f.read(2**20)
+        f.seek(max(0, size - 2**20))
+        tail = f.read()
+    raw = head[:MEGATRON_HEADER.size]
     _require(len(raw) == MEGATRON_HEADER.size and raw.startswith(MEGATRON_MAGIC), f"{index} is not a Megatron-LM "
              f"index (it starts {raw[:9]!r}, expected {MEGATRON_MAGIC!r}); {fix}")
     _, version, code, sequences, document_starts = MEGATRON_HEADER.unpack(raw)
     _require(version == 1 and code in MEGATRON_DTYPES, f"{index} has version {version} and token type code {code}, "
              f"but this reads version 1 with integer tokens (codes {sorted(MEGATRON_DTYPES)}); {fix}")
     arrays = MEGATRON_HEADER.size + 12 * sequences + 8 * document_starts
-    size = os.path.getsize(index)
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
              f"bytes, or {arrays + sequences} with modes) but the file has {size} bytes; {fix}")
@@ -777,12 +768,7 @@ def _megatron_manifest(prefix: str) -> dict:
     bin_size = os.path.getsize(bin_path)
     _require(bin_size == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index promises {tokens} "
              f"tokens ({tokens * dtype.itemsize} bytes) but the file has {bin_size} bytes; {fix}")
-    # the sizes and the index's first and last MiB: cheap for a terabyte dataset, and a copy keeps them
-    with open(index, "rb") as f:
-        head = f.read(2**20)
-        f.seek(max(0, size - 2**20))
-        tail = f.read()
-    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)
+    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # what a copy keeps
     return {"format": "megatron", "dtype": dtype.name, "sequences": sequences, "documents": document_starts - 1,
             "fingerprint": digest.hexdigest()[:16],
             "splits": {"train": [{"file": os.path.basename(bin_path), "tokens": tokens}], "val": []}}
@@ -813,9 +799,9 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
 
 
 class _Source:
-    """One split of a prepared directory, read by memory map: sequence k of its stream is window permute(k mod n) of
-    epoch k // n (val: window k mod n), the n windows being seq_len + 1 tokens at stride seq_len inside each shard; a
-    token's document is the number of end-of-texts before it in its window."""
+    """One split of a prepared directory, memory-mapped: sequence k is window permute(k mod n) of epoch k // n (val:
+    k mod n) of its n windows, seq_len + 1 tokens at stride seq_len in each shard; a token's document: the end-of-texts
+    before it in its window."""
     offset = HEADER_BYTES  # where a shard's tokens start
 
     def __init__(self, path: str, manifest: dict, split: str, seq_len: int, seed: int, vocab_size: int | None):
@@ -895,10 +881,9 @@ class _MegatronSource(_Source):
 
 
 class Mixture:
-    """--data: PATH (a prepared directory, or a Megatron-LM dataset's path prefix), or PATH:WEIGHT,PATH:WEIGHT,...
-    (a missing weight is 1; weights are relative), then ;STEP=PATH:WEIGHT,... for each phase that starts at a later
-    step. paths: the sources in order of first mention; phases: (first step, weights_S) with weights_S over all
-    sources, 0 where a phase does not name one; manifests: each source's."""
+    """--data: PATH (a prepared directory or a Megatron-LM dataset's path prefix) or PATH:WEIGHT,PATH:WEIGHT,...
+    (relative weights, 1 if missing), then ;STEP=PATH:WEIGHT,... per later phase. paths: the sources in order of first
+    mention; phases: (first step, weights_S over all sources, 0 where unnamed); manifests: each source's."""
 
     def __init__(self, spec: str, tokenizer: str | None = None):
         example = "e.g. 'data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6'"
@@ -956,10 +941,9 @@ class Mixture:
 
 
 class DataLoader:
-    """Batches from --data. batch(step) depends only on (seed, step), so the loader has no state to save: the global
-    batch is the same for any world_size, rank r reads rows r*B:(r+1)*B of it, and each source reads every one of its
-    sequences once per epoch, in a new order every epoch (a run's seed, sequence length and global batch cannot change
-    on resume: train.py checks). A step's global batch is its sources' blocks, in order, of counts(step) sequences."""
+    """Batches from --data. batch(step) depends only on (seed, step), so the loader has no state to save (train.py keeps
+    seed, seq_len and global_batch on resume): the global batch, its sources' blocks of counts(step) sequences in order,
+    is the same for any world_size, rank r reading rows r*B:(r+1)*B; each source reads its sequences once an epoch."""
 
     def __init__(self, data_spec: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
@@ -983,8 +967,7 @@ class DataLoader:
         self.edges = [sums / sums[-1] for sums in running]  # each phase's running sum of weights, 0 to exactly 1
         # A phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
         # (table[t]) give those before any step in O(1).
-        self.tables = [np.concatenate([np.zeros((1, len(self.sources)), np.int64),
-                                       np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0)])
+        self.tables = [np.pad(np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0), ((1, 0), (0, 0)))
                        for k in range(len(self.starts))]
 
     def _counts(self, phase: int, step_N: np.ndarray) -> np.ndarray:
@@ -1072,7 +1055,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="most characters of a document of a plain-text "
                    f"file (not .py, .jsonl, .parquet; default {DOC_CHARS}): its paragraphs grouped, a long one cut at "
                    "line ends")
-    p.add_argument("--doc_separator", default=None, help="cut plain-text files into documents at this string instead, "
+    p.add_argument("--doc_separator", help="cut plain-text files into documents at this string instead, "
                    "e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
     p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: none)")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
@@ -1081,9 +1064,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
     p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="bytes per part of the inputs, each prepared "
                    "alone: the unit of work of --shard")
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
+    p.add_argument("--shard", type=_shard, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
                    "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
-    p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all CPU cores)")
+    p.add_argument("--workers", type=int, help="tokenizing threads (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
 
