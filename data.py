@@ -31,6 +31,7 @@ import io
 import itertools
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -164,9 +165,8 @@ def tokenizer_name(name: str) -> str:
 def same_tokenizer(a: str, b: str) -> bool:
     """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or, for a folder, the
     same vocabulary (a folder exported from a tiktoken encoding has its ids under another name)."""
-    if tokenizer_name(a) == tokenizer_name(b):
-        return True
-    return (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
+    return tokenizer_name(a) == tokenizer_name(b) or (
+        (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b)))
 
 
 def check_vocabulary(manifest: dict, hf_dir: str) -> None:
@@ -251,11 +251,9 @@ def _paragraph_documents(f, max_chars: int):
     lines = []  # the document so far
     size = 0  # its length
     start = 0  # where its last paragraph starts in it
-    after_blank = False
     for line in iter(functools.partial(f.readline, max_chars), ""):
-        if after_blank and line.strip():
+        if line.strip() and lines and not lines[-1].strip():  # a paragraph starts after a blank line
             start = len(lines)
-        after_blank = not line.strip()
         while size + len(line) > max_chars:  # full: the last paragraph moves on, unless it fills a document alone
             cut = start or len(lines)
             yield "".join(lines[:cut])
@@ -328,14 +326,9 @@ def _document_start(f, position: int, marker: bytes) -> int:
     (the file's end if none). A piece reads from there to the next piece's: neighbouring pieces share no document."""
     if position == 0:
         return 0
-    f.seek(max(0, position - len(marker)))
-    window = b""
-    while block := f.read(1 << 20):
-        window += block
-        if (i := window.find(marker)) >= 0:
-            return f.tell() - len(window) + i + len(marker)
-        window = window[len(window) - len(marker) + 1:]  # a marker may straddle two blocks
-    return f.tell()
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        found = mapped.find(marker, max(0, position - len(marker)))
+        return len(mapped) if found < 0 else found + len(marker)
 
 
 def _line_number(path: str, position: int) -> int:
@@ -711,7 +704,7 @@ def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
         _require(os.path.isfile(shard_path), f"shard {shard_path} listed in the manifest is missing; {fix}")
         with open(shard_path, "rb") as f:
             raw = f.read(HEADER.size)
-        _require(len(raw) == HEADER.size and raw[:len(MAGIC)] == MAGIC, f"{shard_path} is not a nanotitan token "
+        _require(len(raw) == HEADER.size and raw.startswith(MAGIC), f"{shard_path} is not a nanotitan token "
                  f"shard (it starts {raw[:8]!r}, expected {MAGIC!r}); {fix}")
         _, shard_version, itemsize, count, shard_vocab, max_token, name = HEADER.unpack(raw)
         name = name.rstrip(b"\0").decode()
@@ -837,7 +830,7 @@ class _Source:
     def read(self, sample_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows_NT1: the windows of seq_len + 1 tokens of stream sequences sample_N, as int64; doc_ids_NT)."""
         epoch, sequence = np.divmod(sample_N, self.num_sequences)  # epoch ascends, so its runs concatenate in order
-        if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
+        if self.split == "train":
             sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
                                        for e in np.unique(epoch)])
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
@@ -864,7 +857,6 @@ class _MegatronSource(_Source):
 
     def __init__(self, path: str, manifest: dict, *args):
         super().__init__(path, manifest, *args)
-        self.itemsize = np.dtype(self.dtype).itemsize
         _, self.pointers, self.first_sequence = _megatron_arrays(path + ".idx", manifest["sequences"],
                                                                  manifest["documents"] + 1)
 
@@ -872,7 +864,7 @@ class _MegatronSource(_Source):
         return self.path + ".bin"
 
     def _document(self, position):
-        sequence = np.searchsorted(self.pointers, position * self.itemsize, side="right") - 1
+        sequence = np.searchsorted(self.pointers, position * np.dtype(self.dtype).itemsize, side="right") - 1
         return np.searchsorted(self.first_sequence, sequence, side="right") - 1
 
     def _doc_ids(self, start_N: np.ndarray, tokens_NT: np.ndarray) -> np.ndarray:
