@@ -927,7 +927,8 @@ class Mixture:
                   for start, weights in self.phases}
         mixed = [[start, sorted((fingerprints[path], w) for path, w in weights.items())]
                  for start, weights in phases.items()]
-        fingerprint = (fingerprints[self.paths[0]] if len(mixed) == 1 and len(mixed[0][1]) == 1 else
+        read = [path for weights in phases.values() for path in weights]  # each phase's sources of weight above 0
+        fingerprint = (fingerprints[read[0]] if len(read) == 1 else
                        hashlib.sha256(json.dumps(mixed).encode()).hexdigest()[:16])
         return {"fingerprint": fingerprint, "sources": fingerprints, "phases": phases}
 
