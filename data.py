@@ -524,11 +524,12 @@ def _say(quiet: bool):
     return (lambda *args, **kwargs: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
 
 
-def _finished_part(path: str, fingerprint: str) -> bool:
-    """Whether path is the manifest of a part of this preparation whose shards are all in place, whole."""
-    with contextlib.suppress(DataError, OSError, KeyError):
-        return load_manifest(*os.path.split(path))["fingerprint"] == fingerprint
-    return False
+def _up_to_date(path: str, fingerprint: str) -> dict | None:
+    """The manifest at path (manifest.json or a part's) if it is of this preparation, its shards all whole."""
+    with contextlib.suppress(DataError, OSError):
+        if (manifest := load_manifest(*os.path.split(path))).get("fingerprint") == fingerprint:
+            return manifest
+    return None
 
 
 def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
@@ -579,11 +580,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
     fingerprint = _fingerprint(files, where, options)
-    if shard is None:
-        with contextlib.suppress(DataError):
-            if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
-                say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
-                return old
+    if shard is None and (old := _up_to_date(os.path.join(out_dir, "manifest.json"), fingerprint)):
+        say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
+        return old
 
     try:  # an out_dir that cannot take the shards fails now, not after the tokenising
         os.makedirs(out_dir, exist_ok=True)
@@ -610,7 +609,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for p in mine:
             path = os.path.join(out_dir, f"part_{p:06d}.json")
-            if _finished_part(path, fingerprint):
+            if _up_to_date(path, fingerprint):
                 say(f"  part {p} is up to date; skipping")
                 continue
             for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
@@ -637,17 +636,14 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
              f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
     parts = [load_manifest(out_dir, name) for name in names]
-
-    def settings(part: dict) -> dict:  # the fingerprint, last, also covers the input files' sizes and times
-        return {"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
-                "parts": part["parts"], "fingerprint": part["fingerprint"]}
-
-    expected = settings(parts[0])
-    for name, part in zip(names, parts):
-        for key, value in settings(part).items():
-            _require(value == expected.get(key), f"{name} and {names[0]} come from different preparations ({key} "
-                     f"{value!r} against {expected.get(key)!r}); prepare every part with the same inputs and flags, "
-                     f"into an --out_dir that holds no other preparation's parts")
+    # what the parts must agree on; the fingerprint, last, also covers the input files' sizes and times
+    settings = [{"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
+                 "parts": part["parts"], "fingerprint": part["fingerprint"]} for part in parts]
+    for name, setting in zip(names, settings):
+        for key, value in setting.items():
+            _require(value == settings[0].get(key), f"{name} and {names[0]} come from different preparations ({key} "
+                     f"{value!r} against {settings[0].get(key)!r}); prepare every part with the same inputs and "
+                     f"flags, into an --out_dir that holds no other preparation's parts")
     missing = sorted(set(range(parts[0]["parts"])) - {part["part"] for part in parts})
     _require(not missing, f"{out_dir} lacks {len(missing)} of its {parts[0]['parts']} parts (part "
              f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}), not prepared yet or cut short; "
