@@ -202,8 +202,8 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     # Oniguruma reads a possessive X{1,3}+ as (X{1,3})+; the greedy X{1,3} is the same wherever it ends its
     # alternative, as cl100k_base's digit runs \p{N}{1,3}+ do
     pattern = re.sub(r"(?<!\\)(\{\d+(?:,\d*)?\})\+", r"\1", enc._pat_str)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
@@ -339,7 +339,7 @@ def _line_number(path: str, position: int) -> int:
 
 def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None):
     """(text, input bytes consumed) of each document starting in bytes [start, end) of the file: a .jsonl line, a
-    parquet row, a whole .py file, or a piece of another text file (at doc_separator, else doc_chars of paragraphs)."""
+    parquet row, a whole .py file, or a piece of other text (cut at doc_separator, else paragraphs up to doc_chars)."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -442,7 +442,7 @@ def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, wo
 
 
 def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
-    """A file readers see whole or not at all (else the old one), on disk on return: every stage's crash-safe write."""
+    """Writes path so that readers see it whole or not at all, on disk on return: every stage's crash-safe write."""
     with open(path + ".tmp", "wb") as f:
         f.writelines(chunk.encode() if isinstance(chunk, str) else chunk for chunk in chunks)
         f.flush()
@@ -560,8 +560,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
             part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
             quiet: bool = False) -> dict | None:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part, then merges them and returns
-    the manifest; with shard=(i, n) only parts i, i + n, ... and None: `merge` writes the same bytes once all n ran."""
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part and merges them into the
+    manifest it returns; with shard=(i, n), parts i, i + n, ... only (None): `merge` writes the same bytes."""
     say = _say(quiet)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
@@ -629,8 +629,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 
 
 def merge(out_dir: str, quiet: bool = False) -> dict:
-    """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing)
-    and writes manifest.json, their shards in part order; shard files no part lists (an earlier preparation's) go."""
+    """Checks that out_dir holds every part of one preparation (same inputs, tokenizer and settings, none missing) and
+    writes manifest.json, their shards in part order; unlisted shard files (an earlier preparation's) are removed."""
     say = _say(quiet)
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
@@ -735,7 +735,7 @@ def _megatron_manifest(prefix: str) -> dict:
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
     _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
     size = os.path.getsize(index)
-    with open(index, "rb") as f:  # its header; with the last MiB, what fingerprints it: cheap for a terabyte dataset
+    with open(index, "rb") as f:  # the header, and with the last MiB the fingerprint: cheap for a terabyte dataset
         head = f.read(2**20)
         f.seek(max(0, size - 2**20))
         tail = f.read()
@@ -757,7 +757,7 @@ def _megatron_manifest(prefix: str) -> dict:
     bin_size = os.path.getsize(bin_path)
     _require(bin_size == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index promises {tokens} "
              f"tokens ({tokens * dtype.itemsize} bytes) but the file has {bin_size} bytes; {fix}")
-    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # what a copy keeps
+    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # sizes, first and last MiB: a copy keeps them
     return {"format": "megatron", "dtype": dtype.name, "sequences": sequences, "documents": document_starts - 1,
             "fingerprint": digest.hexdigest()[:16],
             "splits": {"train": [{"file": os.path.basename(bin_path), "tokens": tokens}], "val": []}}
