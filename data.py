@@ -349,7 +349,7 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
         _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
-                 f"with the name of the column that holds the text")
+                 f"naming the column that holds the text")
         for group in range(parquet.num_row_groups):
             column = parquet.metadata.row_group(group).column(0)
             first_page = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
@@ -376,8 +376,8 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
                     if not isinstance(text, str):
                         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                         raise DataError(f"{path} line {_line_number(path, begin) + number} has no text field "
-                                        f"{text_field!r} (it has {keys}); pass --text_field with the name of the "
-                                        f"field that holds the text")
+                                        f"{text_field!r} (it has {keys}); pass --text_field naming the field that "
+                                        f"holds the text")
                     yield text, len(line)
                 return
             text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
@@ -495,8 +495,7 @@ class _ShardWriter:
 
 
 class _ShuffleBuffer(_ShardWriter):
-    """The Trinity report's random sequential document buffer: documents leave in a seeded random order, so a batch is
-    not one source's neighbouring files."""
+    """The Trinity report's random sequential document buffer: a seeded random order, not runs of one source's files."""
 
     def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
@@ -654,8 +653,7 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
              f"tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
     _require(documents["train"] > 0, f"all {documents['val']} documents were held out for validation (val_fraction="
              f"{parts[0]['options']['val_fraction']}), leaving none to train on; add inputs, cut the text into more "
-             f"documents (a smaller --doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0 to "
-             f"train on all of it")
+             f"documents (a smaller --doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0")
     listed = {shard["file"] for shards in splits.values() for shard in shards}
     for name in os.listdir(out_dir):  # shards of an earlier preparation, or of a part since prepared again
         if SHARD_NAME.fullmatch(name) and name not in listed:
@@ -900,16 +898,16 @@ class Mixture:
         self.paths = list(dict.fromkeys(path for _, weights in phases for path in weights))
         self.phases = [(start, np.array([weights.get(p, 0.0) for p in self.paths])) for start, weights in phases]
         self.manifests = [load_manifest(path) for path in self.paths]
-        named = [manifest for manifest in self.manifests if "tokenizer" in manifest]  # a Megatron dataset names none
-        self.tokenizer = named[0] if named else None  # the manifest fields of the data's tokenizer
+        # the sources that name their tokenizer (a Megatron dataset names none)
+        named = {path: manifest for path, manifest in zip(self.paths, self.manifests) if "tokenizer" in manifest}
+        self.tokenizer = next(iter(named.values()), None)  # the manifest fields of the data's tokenizer
         if tokenizer is None:
             return
         name = tokenizer_name(tokenizer)
-        for path, manifest in zip(self.paths, self.manifests):
-            _require("tokenizer" not in manifest or same_tokenizer(tokenizer, manifest.get("tokenizer_path",
-                     manifest["tokenizer"])), f"{path} was tokenized with {manifest.get('tokenizer')} but the model is "
-                     f"configured for {name}; prepare the data with --encoding {name} or point the run at data "
-                     f"tokenized with it")
+        for path, manifest in named.items():
+            _require(same_tokenizer(tokenizer, manifest.get("tokenizer_path", manifest["tokenizer"])), f"{path} was "
+                     f"tokenized with {manifest['tokenizer']} but the model is configured for {name}; prepare the data "
+                     f"with --encoding {name} or point the run at data tokenized with it")
         if not named:  # data that names no tokenizer has --tokenizer's vocabulary
             enc = get_encoding(tokenizer)
             self.tokenizer = {"tokenizer": name, "vocab_size": enc.n_vocab,
@@ -921,9 +919,9 @@ class Mixture:
         fingerprints = {path: manifest["fingerprint"] for path, manifest in zip(self.paths, self.manifests)}
         phases = {str(start): {path: round(w / weights.sum(), 12) for path, w in zip(self.paths, weights) if w}
                   for start, weights in self.phases}
-        mixed = [[start, sorted((fingerprints[path], w) for path, w in weights.items())]
-                 for start, weights in phases.items()]
-        read = [path for weights in phases.values() for path in weights]  # each phase's sources of weight above 0
+        mixed = [[start, sorted((fingerprints[path], w) for path, w in shares.items())]
+                 for start, shares in phases.items()]
+        read = [path for shares in phases.values() for path in shares]  # each phase's sources of weight above 0
         fingerprint = (fingerprints[read[0]] if len(read) == 1 else
                        hashlib.sha256(json.dumps(mixed).encode()).hexdigest()[:16])
         return {"fingerprint": fingerprint, "sources": fingerprints, "phases": phases}
@@ -939,9 +937,9 @@ class DataLoader:
                  tokenizer: str | None = None):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
         self.seq_len = seq_len
-        self.global_batch = global_batch  # a multiple of world_size (parallel.Layout.check)
-        self.rank = rank
-        self.world_size = world_size
+        self.global_batch = global_batch
+        B = global_batch // world_size  # global_batch is a multiple of world_size (parallel.Layout.check)
+        self.rows_B = rank * B + np.arange(B)  # this rank's rows of every global batch
         self.seed = seed
         self.mixture = Mixture(data_spec, tokenizer)
         self.sources = [(_MegatronSource if manifest.get("format") == "megatron" else _Source)(
@@ -990,19 +988,17 @@ class DataLoader:
 
     def sources_of(self, step: int) -> np.ndarray:
         """source_B: the source of each of this rank's rows of step."""
-        B = self.global_batch // self.world_size
-        return np.searchsorted(np.cumsum(self.counts(step)), self.rank * B + np.arange(B), side="right")
+        return np.searchsorted(np.cumsum(self.counts(step)), self.rows_B, side="right")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
-        B = self.global_batch // self.world_size
         T = self.seq_len
         counts_S = self.counts(step)
         source_B = self.sources_of(step)
         # a row's place in its source's stream: what the source gave before this step, then its place in the block
-        sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rank * B + np.arange(B)
-        rows_BT1 = np.empty((B, T + 1), np.int64)
-        doc_ids_BT = np.empty((B, T), np.int64)
+        sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rows_B
+        rows_BT1 = np.empty((len(source_B), T + 1), np.int64)
+        doc_ids_BT = np.empty((len(source_B), T), np.int64)
         for s in np.unique(source_B):
             rows_BT1[source_B == s], doc_ids_BT[source_B == s] = self.sources[s].read(sample_B[source_B == s])
         return (torch.from_numpy(rows_BT1[:, :-1].copy()), torch.from_numpy(rows_BT1[:, 1:].copy()),
