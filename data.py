@@ -582,7 +582,6 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     if shard is None and (old := _up_to_date(os.path.join(out_dir, "manifest.json"), fingerprint)):
         say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
         return old
-
     try:  # an out_dir that cannot take the shards fails now, not after the tokenising
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
