@@ -31,6 +31,7 @@ import io
 import itertools
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -162,12 +163,10 @@ def tokenizer_name(name: str) -> str:
 
 
 def same_tokenizer(a: str, b: str) -> bool:
-    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or else, for a folder,
-    the same vocabulary (a Hugging Face folder exported from a tiktoken encoding gives the same ids under another
-    name). Two tiktoken encodings of other names differ."""
-    if tokenizer_name(a) == tokenizer_name(b):
-        return True
-    return (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b))
+    """The one identity check of tokenizers (tiktoken names or folders): the same recorded name, or, for a folder, the
+    same vocabulary (a folder exported from a tiktoken encoding has its ids under another name)."""
+    return tokenizer_name(a) == tokenizer_name(b) or (
+        (_is_folder(a) or _is_folder(b)) and vocabulary(get_encoding(a)) == vocabulary(get_encoding(b)))
 
 
 def check_vocabulary(manifest: dict, hf_dir: str) -> None:
@@ -203,16 +202,14 @@ def save_hf_tokenizer(name: str, out_dir: str) -> None:
     # Oniguruma reads a possessive X{1,3}+ as (X{1,3})+; the greedy X{1,3} is the same wherever it ends its
     # alternative, as cl100k_base's digit runs \p{N}{1,3}+ do
     pattern = re.sub(r"(?<!\\)(\{\d+(?:,\d*)?\})\+", r"\1", enc._pat_str)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in enc._special_tokens])
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
-              "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_durably(os.path.join(out_dir, "tokenizer_config.json"), json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.decode([enc.eot_token]),
+        "clean_up_tokenization_spaces": False}, indent=1))
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -249,17 +246,14 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
 
 
 def _paragraph_documents(f, max_chars: int):
-    """A text file cut into documents of whole paragraphs (each with the blank lines after it), as many as fit in
-    max_chars characters, read a line (of at most max_chars) at a time; a longer paragraph is cut at line ends.
-    Joined, they are the file's text."""
+    """A text file as documents of whole paragraphs (each with the blank lines after it), as many as fit in max_chars
+    characters; a longer paragraph is cut at line ends (a line: at most max_chars). Joined, they are the file's text."""
     lines = []  # the document so far
     size = 0  # its length
     start = 0  # where its last paragraph starts in it
-    after_blank = False
     for line in iter(functools.partial(f.readline, max_chars), ""):
-        if after_blank and line.strip():
+        if line.strip() and lines and not lines[-1].strip():  # a paragraph starts after a blank line
             start = len(lines)
-        after_blank = not line.strip()
         while size + len(line) > max_chars:  # full: the last paragraph moves on, unless it fills a document alone
             cut = start or len(lines)
             yield "".join(lines[:cut])
@@ -328,19 +322,13 @@ class _Slice(io.RawIOBase):
 
 
 def _document_start(f, position: int, marker: bytes) -> int:
-    """The first byte at or after `position` of the binary file f that starts a document: 0, or the byte after a
-    `marker` (the end of the file if none). A piece reads from its first byte's start to the next piece's: neighbouring
-    pieces share no document."""
+    """The first byte at or after `position` of binary file f that starts a document: 0, or the byte after a `marker`
+    (the file's end if none). A piece reads from there to the next piece's: neighbouring pieces share no document."""
     if position == 0:
         return 0
-    f.seek(max(0, position - len(marker)))
-    window = b""
-    while block := f.read(1 << 20):
-        window += block
-        if (i := window.find(marker)) >= 0:
-            return f.tell() - len(window) + i + len(marker)
-        window = window[len(window) - len(marker) + 1:]  # a marker may straddle two blocks
-    return f.tell()
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        found = mapped.find(marker, max(0, position - len(marker)))
+        return len(mapped) if found < 0 else found + len(marker)
 
 
 def _line_number(path: str, position: int) -> int:
@@ -350,9 +338,8 @@ def _line_number(path: str, position: int) -> int:
 
 
 def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None):
-    """Yields (text, input bytes consumed) per document that starts in bytes [start, end) of the file: a .jsonl line,
-    the rows of a parquet row group, a whole .py file, or a piece of any other text file (at doc_separator if given,
-    else paragraphs grouped up to doc_chars characters); the documents of a text file restart at a piece's start."""
+    """(text, input bytes consumed) of each document starting in bytes [start, end) of the file: a .jsonl line, a
+    parquet row, a whole .py file, or a piece of other text (cut at doc_separator, else paragraphs up to doc_chars)."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -362,7 +349,7 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
         _require(text_field in names, f"{path} has no column {text_field!r} (it has {names}); pass --text_field "
-                 f"with the name of the column that holds the text")
+                 f"naming the column that holds the text")
         for group in range(parquet.num_row_groups):
             column = parquet.metadata.row_group(group).column(0)
             first_page = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
@@ -379,65 +366,56 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
             begin = _document_start(f, start, marker)
             piece = io.BufferedReader(_Slice(f, begin, _document_start(f, end, marker)))
             if path.endswith(".jsonl"):
-                position = begin
-                for line in piece:
+                for number, line in enumerate(piece):
                     try:
                         record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
                     except json.JSONDecodeError as e:
-                        raise DataError(f"{path} line {_line_number(path, position)} is not valid JSON ({e}); fix or "
-                                        f"remove that line") from None
+                        raise DataError(f"{path} line {_line_number(path, begin) + number} is not valid JSON ({e}); "
+                                        f"fix or remove that line") from None
                     text = record.get(text_field) if isinstance(record, dict) else None
-                    if not isinstance(text, str):  # the message only when it is needed: this runs once per document
+                    if not isinstance(text, str):
                         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path} line {_line_number(path, position)} has no text field {text_field!r} "
-                                        f"(it has {keys}); pass --text_field with the name of the field that holds "
-                                        f"the text")
-                    position += len(line)
+                        raise DataError(f"{path} line {_line_number(path, begin) + number} has no text field "
+                                        f"{text_field!r} (it has {keys}); pass --text_field naming the field that "
+                                        f"holds the text")
                     yield text, len(line)
                 return
             text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
             documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
                          _paragraph_documents(text, doc_chars))
             consumed = start
-            for document in documents:  # the bytes read so far, for the progress bar
+            for document in documents:  # with the bytes read since the last, for the progress bar
                 yield document, f.tell() - consumed
                 consumed = f.tell()
 
 
 def _text_batches(pieces: list[tuple[str, int, int]], read):
-    """The documents read(path, start, end) yields, in ~1 MB tasks: handing one to a thread is cheap next to its
-    tokenising."""
-    texts = []
-    nbytes = 0
+    """read(*piece)'s (text, bytes) pairs in ~1 MB tasks: handing one to a thread is cheap next to its tokenising."""
+    batch = []
     chars = 0
-    for piece in pieces:
-        for text, consumed in read(*piece):
-            texts.append(text)
-            nbytes += consumed
-            chars += len(text)
-            if chars >= 1 << 20:
-                yield texts, nbytes
-                texts = []
-                nbytes = 0
-                chars = 0
-    yield texts, nbytes
+    for text, consumed in itertools.chain.from_iterable(read(*piece) for piece in pieces):
+        batch.append((text, consumed))
+        chars += len(text)
+        if chars >= 1 << 20:
+            yield batch
+            batch = []
+            chars = 0
+    yield batch
 
 
-def _encode_batch(enc, batch: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
-    texts, nbytes = batch
-    texts = [text for text in texts if text]
+def _encode_batch(enc, batch: list[tuple[str, int]]) -> tuple[list[np.ndarray], int]:
+    texts = [text for text, _ in batch if text]
     # ordinary encoding: a literal "<|endoftext|>" inside a document is text, so only we place separators
     if isinstance(enc, HFTokenizer):
         docs = [encoding.ids for encoding in enc.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     else:  # straight into an array: no list of Python ints to convert
         docs = [enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
     eot = np.array([enc.eot_token], _token_dtype(enc.n_vocab))
-    return [np.concatenate([doc, eot]).astype(eot.dtype, copy=False) for doc in docs], nbytes
+    return [np.concatenate([doc, eot]).astype(eot.dtype, copy=False) for doc in docs], sum(n for _, n in batch)
 
 
 def _in_order(futures, window: int):
-    """The results of lazily submitted futures in order, `window` of them submitted ahead: bounded memory however large
-    the inputs, and no thread waits for work."""
+    """The results of lazily submitted futures in order, `window` of them ahead: bounded memory, and no idle thread."""
     pending = collections.deque(itertools.islice(futures, window))
     while pending:
         future = pending.popleft()
@@ -446,14 +424,14 @@ def _in_order(futures, window: int):
 
 
 def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, workers: int, say, label: str):
-    """Every document's tokens, ended by the end-of-text token, in input order; tokenised on the pool's `workers`
-    threads (both tokenizer libraries encode without holding Python's lock) while this one reads."""
+    """Every document's tokens and end-of-text, in input order, tokenised on the pool's threads (both tokenizer
+    libraries encode without holding Python's lock) while this one reads."""
     total_bytes = sum(end - start for _, start, end in pieces)
     done_bytes = 0
     n_tokens = 0
     started = time.time()
-    batches = _text_batches(pieces, read)
-    for docs, nbytes in _in_order((pool.submit(_encode_batch, enc, batch) for batch in batches), 4 * workers):
+    tasks = (pool.submit(_encode_batch, enc, batch) for batch in _text_batches(pieces, read))
+    for docs, nbytes in _in_order(tasks, 4 * workers):
         yield from docs
         done_bytes += nbytes
         n_tokens += sum(map(len, docs))
@@ -464,8 +442,7 @@ def _tokenized_documents(pieces: list[tuple[str, int, int]], read, enc, pool, wo
 
 
 def write_durably(path: str, *chunks: bytes | str | np.ndarray) -> None:
-    """Write a file that readers see whole or not at all (the old file until then), on disk when this returns: how
-    every stage file writes what must survive a crash."""
+    """Writes path so that readers see it whole or not at all, on disk on return: every stage's crash-safe write."""
     with open(path + ".tmp", "wb") as f:
         f.writelines(chunk.encode() if isinstance(chunk, str) else chunk for chunk in chunks)
         f.flush()
@@ -518,8 +495,7 @@ class _ShardWriter:
 
 
 class _ShuffleBuffer(_ShardWriter):
-    """The Trinity report's random sequential document buffer: documents leave in a seeded random order, so a batch is
-    not one source's neighbouring files; a part that fits is shuffled whole."""
+    """The Trinity report's random sequential document buffer: a seeded random order, not runs of one source's files."""
 
     def __init__(self, *args, seed: list[int]):
         super().__init__(*args)
@@ -547,17 +523,12 @@ def _say(quiet: bool):
     return (lambda *args, **kwargs: None) if quiet else functools.partial(print, file=sys.stderr, flush=True)
 
 
-def _finished_part(path: str, fingerprint: str) -> bool:
-    """Whether path is the manifest of a part of this preparation whose shards are all in place, whole."""
-    try:
-        with open(path) as f:
-            part = json.load(f)
-        shards = [shard for split in part["splits"].values() for shard in split]
-        sizes = [os.path.getsize(os.path.join(os.path.dirname(path), shard["file"])) for shard in shards]
-        whole = [HEADER_BYTES + shard["tokens"] * np.dtype(part["dtype"]).itemsize for shard in shards]
-        return part["fingerprint"] == fingerprint and sizes == whole
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+def _up_to_date(path: str, fingerprint: str) -> dict | None:
+    """The manifest at path (manifest.json or a part's) if it is of this preparation, its shards all whole."""
+    with contextlib.suppress(DataError, OSError):
+        if (manifest := load_manifest(*os.path.split(path))).get("fingerprint") == fingerprint:
+            return manifest
+    return None
 
 
 def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
@@ -588,9 +559,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
             part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
             quiet: bool = False) -> dict | None:
-    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir, part by part, then merges the parts and
-    returns the manifest. With shard=(i, n) it prepares only parts i, i + n, ... and returns None; `merge` follows
-    once all n are done, writing the same bytes."""
+    """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part and merges them into the
+    manifest it returns; with shard=(i, n), parts i, i + n, ... only (None): `merge` writes the same bytes."""
     say = _say(quiet)
     _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
              f"validation set)")
@@ -609,12 +579,9 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
     fingerprint = _fingerprint(files, where, options)
-    if shard is None:
-        with contextlib.suppress(DataError):
-            if (old := load_manifest(out_dir)).get("fingerprint") == fingerprint:
-                say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
-                return old
-
+    if shard is None and (old := _up_to_date(os.path.join(out_dir, "manifest.json"), fingerprint)):
+        say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
+        return old
     try:  # an out_dir that cannot take the shards fails now, not after the tokenising
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -640,7 +607,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for p in mine:
             path = os.path.join(out_dir, f"part_{p:06d}.json")
-            if _finished_part(path, fingerprint):
+            if _up_to_date(path, fingerprint):
                 say(f"  part {p} is up to date; skipping")
                 continue
             for unfinished in (path, os.path.join(out_dir, "manifest.json")):  # until this part and the merge land
@@ -660,28 +627,21 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
 
 
 def merge(out_dir: str, quiet: bool = False) -> dict:
-    """Checks that out_dir holds every part of one preparation (the same inputs, tokenizer and settings, none missing)
-    and writes the manifest.json train.py reads, listing their shards in part order; shard files no part lists (an
-    earlier preparation's) are removed."""
+    """Checks that out_dir holds every part of one preparation (same inputs, tokenizer and settings, none missing) and
+    writes manifest.json, their shards in part order; unlisted shard files (an earlier preparation's) are removed."""
     say = _say(quiet)
     names = sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) if os.path.isdir(out_dir) else []
     _require(bool(names), f"{out_dir!r} holds no part_NNNNNN.json, so no part of a preparation finished there; run "
              f"`python data.py INPUTS --out_dir {out_dir} --shard=I/N` for I = 0 .. N-1 first")
-    parts = []
-    for name in names:
-        with open(os.path.join(out_dir, name)) as f:
-            parts.append(json.load(f))
-
-    def settings(part: dict) -> dict:  # the fingerprint, last, also covers the input files' sizes and times
-        return {"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
-                "parts": part["parts"], "fingerprint": part["fingerprint"]}
-
-    expected = settings(parts[0])
-    for name, part in zip(names, parts):
-        for key, value in settings(part).items():
-            _require(value == expected.get(key), f"{name} and {names[0]} come from different preparations ({key} "
-                     f"{value!r} against {expected.get(key)!r}); prepare every part with the same inputs and flags, "
-                     f"into an --out_dir that holds no other preparation's parts")
+    parts = [load_manifest(out_dir, name) for name in names]
+    # what the parts must agree on; the fingerprint, last, also covers the input files' sizes and times
+    settings = [{"tokenizer": part["tokenizer"], **part["options"], "inputs": part["inputs"], "files": part["files"],
+                 "parts": part["parts"], "fingerprint": part["fingerprint"]} for part in parts]
+    for name, setting in zip(names, settings):
+        for key, value in setting.items():
+            _require(value == settings[0].get(key), f"{name} and {names[0]} come from different preparations ({key} "
+                     f"{value!r} against {settings[0].get(key)!r}); prepare every part with the same inputs and "
+                     f"flags, into an --out_dir that holds no other preparation's parts")
     missing = sorted(set(range(parts[0]["parts"])) - {part["part"] for part in parts})
     _require(not missing, f"{out_dir} lacks {len(missing)} of its {parts[0]['parts']} parts (part "
              f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}), not prepared yet or cut short; "
@@ -692,8 +652,7 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
              f"tokenize; check the inputs (and --text_field for .jsonl/.parquet)")
     _require(documents["train"] > 0, f"all {documents['val']} documents were held out for validation (val_fraction="
              f"{parts[0]['options']['val_fraction']}), leaving none to train on; add inputs, cut the text into more "
-             f"documents (a smaller --doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0 to "
-             f"train on all of it")
+             f"documents (a smaller --doc_chars, a --doc_separator, or .jsonl lines), or pass --val_fraction=0")
     listed = {shard["file"] for shards in splits.values() for shard in shards}
     for name in os.listdir(out_dir):  # shards of an earlier preparation, or of a part since prepared again
         if SHARD_NAME.fullmatch(name) and name not in listed:
@@ -712,16 +671,16 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
 # --- reading: sources (prepared directories, Megatron-LM datasets), mixtures of them, batches
 
 
-def load_manifest(data_dir: str) -> dict:
-    """The manifest of a prepared directory, after checking every shard's header and size against it; for a
-    Megatron-LM dataset's path prefix (PREFIX.bin and PREFIX.idx), one made from its index."""
+def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
+    """The manifest of a prepared directory (or of its part `name`), after checking every shard's header and size
+    against it; for a Megatron-LM dataset's path prefix (PREFIX.bin and PREFIX.idx), one made from its index."""
     if os.path.isfile(data_dir + ".idx"):
         return _megatron_manifest(data_dir)
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
     _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it, or name a "
              f"Megatron-LM dataset by its path prefix (PREFIX for PREFIX.bin and PREFIX.idx)")
-    path = os.path.join(data_dir, "manifest.json")
-    _require(os.path.isfile(path), f"{data_dir!r} has no manifest.json, so its preparation never finished; {fix}")
+    path = os.path.join(data_dir, name)
+    _require(os.path.isfile(path), f"{data_dir!r} has no {name}, so its preparation never finished; {fix}")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -738,7 +697,7 @@ def load_manifest(data_dir: str) -> dict:
         _require(os.path.isfile(shard_path), f"shard {shard_path} listed in the manifest is missing; {fix}")
         with open(shard_path, "rb") as f:
             raw = f.read(HEADER.size)
-        _require(len(raw) == HEADER.size and raw[:len(MAGIC)] == MAGIC, f"{shard_path} is not a nanotitan token "
+        _require(len(raw) == HEADER.size and raw.startswith(MAGIC), f"{shard_path} is not a nanotitan token "
                  f"shard (it starts {raw[:8]!r}, expected {MAGIC!r}); {fix}")
         _, shard_version, itemsize, count, shard_vocab, max_token, name = HEADER.unpack(raw)
         name = name.rstrip(b"\0").decode()
@@ -767,21 +726,23 @@ def _megatron_arrays(index: str, sequences: int, document_starts: int) -> tuple[
 
 
 def _megatron_manifest(prefix: str) -> dict:
-    """A Megatron-LM indexed dataset described as a one-file train split (it has neither a val split nor a tokenizer
-    name); its index is checked, never read whole."""
+    """A Megatron-LM dataset as a one-file train split with no tokenizer name; its index checked, never read whole."""
     index = prefix + ".idx"
     bin_path = prefix + ".bin"
     fix = "write it again with Megatron-LM's tools/preprocess_data.py (or IndexedDatasetBuilder)"
     _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
-    with open(index, "rb") as f:
-        raw = f.read(MEGATRON_HEADER.size)
+    size = os.path.getsize(index)
+    with open(index, "rb") as f:  # the header, and with the last MiB the fingerprint: cheap for a terabyte dataset
+        head = f.read(2**20)
+        f.seek(max(0, size - 2**20))
+        tail = f.read()
+    raw = head[:MEGATRON_HEADER.size]
     _require(len(raw) == MEGATRON_HEADER.size and raw.startswith(MEGATRON_MAGIC), f"{index} is not a Megatron-LM "
              f"index (it starts {raw[:9]!r}, expected {MEGATRON_MAGIC!r}); {fix}")
     _, version, code, sequences, document_starts = MEGATRON_HEADER.unpack(raw)
     _require(version == 1 and code in MEGATRON_DTYPES, f"{index} has version {version} and token type code {code}, "
              f"but this reads version 1 with integer tokens (codes {sorted(MEGATRON_DTYPES)}); {fix}")
     arrays = MEGATRON_HEADER.size + 12 * sequences + 8 * document_starts
-    size = os.path.getsize(index)
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
              f"bytes, or {arrays + sequences} with modes) but the file has {size} bytes; {fix}")
@@ -793,12 +754,7 @@ def _megatron_manifest(prefix: str) -> dict:
     bin_size = os.path.getsize(bin_path)
     _require(bin_size == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index promises {tokens} "
              f"tokens ({tokens * dtype.itemsize} bytes) but the file has {bin_size} bytes; {fix}")
-    # the sizes and the index's first and last MiB: cheap for a terabyte dataset, and a copy keeps them
-    with open(index, "rb") as f:
-        head = f.read(2**20)
-        f.seek(max(0, size - 2**20))
-        tail = f.read()
-    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)
+    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # sizes, first and last MiB: a copy keeps them
     return {"format": "megatron", "dtype": dtype.name, "sequences": sequences, "documents": document_starts - 1,
             "fingerprint": digest.hexdigest()[:16],
             "splits": {"train": [{"file": os.path.basename(bin_path), "tokens": tokens}], "val": []}}
@@ -829,9 +785,9 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
 
 
 class _Source:
-    """One split of a prepared directory, read by memory map: sequence k of its stream is window permute(k mod n) of
-    epoch k // n (val: window k mod n), the n windows being seq_len + 1 tokens at stride seq_len inside each shard; a
-    token's document is the number of end-of-texts before it in its window."""
+    """One split of a prepared directory, memory-mapped: sequence k is window permute(k mod n) of epoch k // n (val:
+    k mod n) of its n windows, seq_len + 1 tokens at stride seq_len in each shard; a token's document: the end-of-texts
+    before it in its window."""
     offset = HEADER_BYTES  # where a shard's tokens start
 
     def __init__(self, path: str, manifest: dict, split: str, seq_len: int, seed: int, vocab_size: int | None):
@@ -867,7 +823,7 @@ class _Source:
     def read(self, sample_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows_NT1: the windows of seq_len + 1 tokens of stream sequences sample_N, as int64; doc_ids_NT)."""
         epoch, sequence = np.divmod(sample_N, self.num_sequences)  # epoch ascends, so its runs concatenate in order
-        if self.split == "train":  # a new order every epoch, each sequence once per epoch; val reads in order
+        if self.split == "train":
             sequence = np.concatenate([permute(sequence[epoch == e], self.num_sequences, self.seed, int(e))
                                        for e in np.unique(epoch)])
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
@@ -894,7 +850,6 @@ class _MegatronSource(_Source):
 
     def __init__(self, path: str, manifest: dict, *args):
         super().__init__(path, manifest, *args)
-        self.itemsize = np.dtype(self.dtype).itemsize
         _, self.pointers, self.first_sequence = _megatron_arrays(path + ".idx", manifest["sequences"],
                                                                  manifest["documents"] + 1)
 
@@ -902,7 +857,7 @@ class _MegatronSource(_Source):
         return self.path + ".bin"
 
     def _document(self, position):
-        sequence = np.searchsorted(self.pointers, position * self.itemsize, side="right") - 1
+        sequence = np.searchsorted(self.pointers, position * np.dtype(self.dtype).itemsize, side="right") - 1
         return np.searchsorted(self.first_sequence, sequence, side="right") - 1
 
     def _doc_ids(self, start_N: np.ndarray, tokens_NT: np.ndarray) -> np.ndarray:
@@ -911,10 +866,9 @@ class _MegatronSource(_Source):
 
 
 class Mixture:
-    """--data: PATH (a prepared directory, or a Megatron-LM dataset's path prefix), or PATH:WEIGHT,PATH:WEIGHT,...
-    (a missing weight is 1; weights are relative), then ;STEP=PATH:WEIGHT,... for each phase that starts at a later
-    step. paths: the sources in order of first mention; phases: (first step, weights_S) with weights_S over all
-    sources, 0 where a phase does not name one; manifests: each source's."""
+    """--data: PATH (a prepared directory or a Megatron-LM dataset's path prefix) or PATH:WEIGHT,PATH:WEIGHT,...
+    (relative weights, 1 if missing), then ;STEP=PATH:WEIGHT,... per later phase. paths: the sources in order of first
+    mention; phases: (first step, weights_S over all sources, 0 where unnamed); manifests: each source's."""
 
     def __init__(self, spec: str, tokenizer: str | None = None):
         example = "e.g. 'data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6'"
@@ -943,16 +897,16 @@ class Mixture:
         self.paths = list(dict.fromkeys(path for _, weights in phases for path in weights))
         self.phases = [(start, np.array([weights.get(p, 0.0) for p in self.paths])) for start, weights in phases]
         self.manifests = [load_manifest(path) for path in self.paths]
-        named = [manifest for manifest in self.manifests if "tokenizer" in manifest]  # a Megatron dataset names none
-        self.tokenizer = named[0] if named else None  # the manifest fields of the data's tokenizer
+        # the sources that name their tokenizer (a Megatron dataset names none)
+        named = {path: manifest for path, manifest in zip(self.paths, self.manifests) if "tokenizer" in manifest}
+        self.tokenizer = next(iter(named.values()), None)  # the manifest fields of the data's tokenizer
         if tokenizer is None:
             return
         name = tokenizer_name(tokenizer)
-        for path, manifest in zip(self.paths, self.manifests):
-            _require("tokenizer" not in manifest or same_tokenizer(tokenizer, manifest.get("tokenizer_path",
-                     manifest["tokenizer"])), f"{path} was tokenized with {manifest.get('tokenizer')} but the model is "
-                     f"configured for {name}; prepare the data with --encoding {name} or point the run at data "
-                     f"tokenized with it")
+        for path, manifest in named.items():
+            _require(same_tokenizer(tokenizer, manifest.get("tokenizer_path", manifest["tokenizer"])), f"{path} was "
+                     f"tokenized with {manifest['tokenizer']} but the model is configured for {name}; prepare the data "
+                     f"with --encoding {name} or point the run at data tokenized with it")
         if not named:  # data that names no tokenizer has --tokenizer's vocabulary
             enc = get_encoding(tokenizer)
             self.tokenizer = {"tokenizer": name, "vocab_size": enc.n_vocab,
@@ -964,27 +918,27 @@ class Mixture:
         fingerprints = {path: manifest["fingerprint"] for path, manifest in zip(self.paths, self.manifests)}
         phases = {str(start): {path: round(w / weights.sum(), 12) for path, w in zip(self.paths, weights) if w}
                   for start, weights in self.phases}
-        mixed = [[start, sorted((fingerprints[path], w) for path, w in weights.items())]
-                 for start, weights in phases.items()]
-        fingerprint = (fingerprints[self.paths[0]] if len(mixed) == 1 and len(mixed[0][1]) == 1 else
+        mixed = [[start, sorted((fingerprints[path], w) for path, w in shares.items())]
+                 for start, shares in phases.items()]
+        read = [path for shares in phases.values() for path in shares]  # each phase's sources of weight above 0
+        fingerprint = (fingerprints[read[0]] if len(read) == 1 else
                        hashlib.sha256(json.dumps(mixed).encode()).hexdigest()[:16])
         return {"fingerprint": fingerprint, "sources": fingerprints, "phases": phases}
 
 
 class DataLoader:
-    """Batches from --data. batch(step) depends only on (seed, step), so the loader has no state to save: the global
-    batch is the same for any world_size, rank r reads rows r*B:(r+1)*B of it, and each source reads every one of its
-    sequences once per epoch, in a new order every epoch (a run's seed, sequence length and global batch cannot change
-    on resume: train.py checks). A step's global batch is its sources' blocks, in order, of counts(step) sequences."""
+    """Batches from --data. batch(step) depends only on (seed, step), so the loader has no state to save (train.py keeps
+    seed, seq_len and global_batch on resume): the global batch, its sources' blocks of counts(step) sequences in order,
+    is the same for any world_size, rank r reading rows r*B:(r+1)*B; each source reads its sequences once an epoch."""
 
     def __init__(self, data_spec: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
                  tokenizer: str | None = None):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
         self.seq_len = seq_len
-        self.global_batch = global_batch  # a multiple of world_size (parallel.Layout.check)
-        self.rank = rank
-        self.world_size = world_size
+        self.global_batch = global_batch
+        B = global_batch // world_size  # global_batch is a multiple of world_size (parallel.Layout.check)
+        self.rows_B = rank * B + np.arange(B)  # this rank's rows of every global batch
         self.seed = seed
         self.mixture = Mixture(data_spec, tokenizer)
         self.sources = [(_MegatronSource if manifest.get("format") == "megatron" else _Source)(
@@ -999,8 +953,7 @@ class DataLoader:
         self.edges = [sums / sums[-1] for sums in running]  # each phase's running sum of weights, 0 to exactly 1
         # A phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
         # (table[t]) give those before any step in O(1).
-        self.tables = [np.concatenate([np.zeros((1, len(self.sources)), np.int64),
-                                       np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0)])
+        self.tables = [np.pad(np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0), ((1, 0), (0, 0)))
                        for k in range(len(self.starts))]
 
     def _counts(self, phase: int, step_N: np.ndarray) -> np.ndarray:
@@ -1024,8 +977,8 @@ class DataLoader:
 
         read_S = np.zeros(len(self.sources), np.int64)
         for k, (start, end) in enumerate(zip(self.starts, self.starts[1:] + [step])):
-            if start < min(end, step):
-                read_S += before(k, min(end, step)) - before(k, start)
+            end = max(start, min(end, step))  # a phase that starts after step reads nothing
+            read_S += before(k, end) - before(k, start)
         return read_S
 
     def epochs(self, step: int) -> np.ndarray:
@@ -1034,19 +987,17 @@ class DataLoader:
 
     def sources_of(self, step: int) -> np.ndarray:
         """source_B: the source of each of this rank's rows of step."""
-        B = self.global_batch // self.world_size
-        return np.searchsorted(np.cumsum(self.counts(step)), self.rank * B + np.arange(B), side="right")
+        return np.searchsorted(np.cumsum(self.counts(step)), self.rows_B, side="right")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
-        B = self.global_batch // self.world_size
         T = self.seq_len
         counts_S = self.counts(step)
         source_B = self.sources_of(step)
         # a row's place in its source's stream: what the source gave before this step, then its place in the block
-        sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rank * B + np.arange(B)
-        rows_BT1 = np.empty((B, T + 1), np.int64)
-        doc_ids_BT = np.empty((B, T), np.int64)
+        sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rows_B
+        rows_BT1 = np.empty((len(source_B), T + 1), np.int64)
+        doc_ids_BT = np.empty((len(source_B), T), np.int64)
         for s in np.unique(source_B):
             rows_BT1[source_B == s], doc_ids_BT[source_B == s] = self.sources[s].read(sample_B[source_B == s])
         return (torch.from_numpy(rows_BT1[:, :-1].copy()), torch.from_numpy(rows_BT1[:, 1:].copy()),
@@ -1056,7 +1007,6 @@ class DataLoader:
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""
         available = self.num_sequences // self.global_batch
         return map(self.batch, range(available if n is None else min(n, available)))
-
 
 
 # --- command line
@@ -1089,7 +1039,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="most characters of a document of a plain-text "
                    f"file (not .py, .jsonl, .parquet; default {DOC_CHARS}): its paragraphs grouped, a long one cut at "
                    "line ends")
-    p.add_argument("--doc_separator", default=None, help="cut plain-text files into documents at this string instead, "
+    p.add_argument("--doc_separator", help="cut plain-text files into documents at this string instead, "
                    "e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
     p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: none)")
     p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
@@ -1098,9 +1048,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
     p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="bytes per part of the inputs, each prepared "
                    "alone: the unit of work of --shard")
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
+    p.add_argument("--shard", type=_shard, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
                    "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
-    p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all CPU cores)")
+    p.add_argument("--workers", type=int, help="tokenizing threads (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import data
-from data import DataError, DataLoader, load_manifest, permute, prepare
+from data import DataError, DataLoader, Mixture, load_manifest, permute, prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENC = data.get_encoding("cl100k_base")
@@ -688,6 +688,15 @@ def test_each_source_reads_its_own_epochs_in_new_orders_across_phases(three):
         n = len(source)
         in_order = [source[i] for epoch in range(len(got) // n + 1) for i in permute(np.arange(n), n, seed, epoch)]
         assert len(got) > 2 * n and got == in_order[:len(got)]
+
+
+def test_a_mixture_that_reads_one_source_has_that_sources_fingerprint(corpus_dir, prepared):
+    """A mixture whose other sources weigh 0 reads one source's data, so it is recorded (and compared on resume) as
+    that source, whichever source it names first; another source is other data."""
+    lone = Mixture(prepared[0]).identity()["fingerprint"]
+    assert Mixture(f"{corpus_dir}:0,{prepared[0]}:1").identity()["fingerprint"] == lone
+    assert Mixture(f"{prepared[0]}:1,{corpus_dir}:0").identity()["fingerprint"] == lone
+    assert Mixture(corpus_dir).identity()["fingerprint"] != lone
 
 
 @pytest.mark.parametrize("spec, message", [
