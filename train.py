@@ -60,8 +60,7 @@ def listed(text: str) -> list[str]:
 
 @dataclass
 class TrainConfig:
-    """Every field is a --flag=value option, checked by its rule (one sentence for all bad values); sizes, batches
-    and the layout are checked together by parallel.Layout."""
+    """Every field is a --flag=value option checked by its rule; parallel.Layout checks how sizes and batches meet."""
     # model and data
     preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
     data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output (the default corpus is prepared when absent) "
@@ -79,8 +78,7 @@ class TrainConfig:
     lr: float = option(5e-3, "peak learning rate", NON_NEGATIVE)
     min_lr_ratio: float = option(0.1, "final LR / peak LR", Rule(lambda v, _: 0 <= v <= 1, "between 0 and 1"))
     warmup_steps: int = option(20, "linear warmup steps", NON_NEGATIVE)
-    decay: str = option("cosine", "LR decay after warmup (wsd: constant, then a linear decay)",
-                        one_of("cosine", "linear", "wsd"))
+    decay: str = option("cosine", "LR decay after warmup (wsd: flat, then linear)", one_of("cosine", "linear", "wsd"))
     wsd_decay_frac: float = option(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd",
                                    Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1"))
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not norms or biases)", NON_NEGATIVE)
@@ -155,17 +153,15 @@ class TrainConfig:
                                           "deviations (1.4826 x MAD, at least 0.02 x the median) above the median of "
                                           "the last --spike_window applied steps; 10 times as far right after a "
                                           "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
-    spike_window: int = option(50, "applied steps the spike statistics span; spikes are judged once it is full",
-                               at_least(3))
+    spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
-                                    "before the first, skipping the data from its batch through the last's (0: never)",
+                                    "before the first, skipping the data from its batch to the last's (0: never)",
                                  OFF_OR_MORE)
     max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", OFF_OR_MORE)
     on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
                                "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (never saved)")
-    straggler_threshold: float = option(0.2, "at each log, name the slowest rank if its own time per step (data + "
-                                             "compute) is this fraction above the others' median (0: never)",
-                                        OFF_OR_MORE)
+    straggler_threshold: float = option(0.2, "at each log, name the slowest rank if its time per step (data + "
+                                             "compute) is this fraction above the others' median (0: off)", OFF_OR_MORE)
     crash_at_step: int = option(-1, "fault drill: the last rank dies after this step (first launch only)")
     stall_at_step: int = option(-1, "fault drill: the last rank hangs in this step, for the watchdog (first launch)")
     straggle_rank: int = option(-1, "straggler drill: this rank sleeps as long as its own work took, every step")
@@ -411,7 +407,7 @@ class TrainState:
         return cls(0, torch.zeros(len(model.moe_layers()), model.cfg.n_experts, device=device))
 
     def saved(self, step: int) -> dict:
-        """The checkpoint's train-state keys (the momentum a tensor, which the checkpoint keeps beside the weights)."""
+        """The checkpoint's train-state values (the momentum tensor is kept beside the weights)."""
         return {"step": step, "momentum": self.momentum, **{name: getattr(self, name) for name in self.KEPT}}
 
     def tensors(self) -> dict:
@@ -449,8 +445,8 @@ SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the media
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) above which a step is a spike: each one's median over `recent` plus `threshold` robust
-    deviations, max(1.4826 x the median absolute deviation (a normal's σ), SPREAD_FLOOR x the median)."""
+    """(loss, gradient norm) above which a step is a spike: the median over `recent` plus `threshold` robust
+    deviations (1.4826 x the median absolute deviation is a normal distribution's σ)."""
     limits = []
     for values in zip(*recent):
         median = statistics.median(values)
@@ -462,9 +458,9 @@ def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, grad_scale: float = 1.0,
                limits: tuple[float, float] | None = None) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update;
-    a non-finite step, or a spike (loss or gradient norm above `limits`), skips the last two. `grad_scale`: a drill's
-    factor on the gradients. Returns the losses averaged over the global batch, the global tokens-per-expert counts
-    [L, E], each of the rank's sequences' LM loss [B], and why the step was skipped (None, "non-finite" or "spike")."""
+    a non-finite step or a spike (loss or gradient norm above `limits`) skips the last two. Returns the global batch's
+    mean losses and tokens-per-expert counts [L, E], the rank's per-sequence LM loss [B] and why the step was skipped
+    (None, "non-finite" or "spike"). `grad_scale`: a drill's factor on the gradients."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -540,8 +536,8 @@ LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing (asked
-    of find_spec, which costs nothing). Not --log: torchrun would take it for an abbreviation of its --log-dir."""
+    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing
+    (find_spec costs nothing). Not --log: torchrun would take it for its --log-dir."""
     names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
@@ -595,11 +591,10 @@ class MetricsSinks:
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
         self.path = Path(tc.out_dir, "metrics.jsonl") if master else None
-        self.steps_lost = 0  # steps a dead launch logged past the checkpoint resumed: trained again
+        self.steps_lost = self.rewind(start_step)  # steps a dead launch logged past the checkpoint: trained again
         if not master:
             return
         write_config(Path(tc.out_dir), resolved, start_step)
-        self.steps_lost = self.rewind(start_step)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
@@ -658,7 +653,6 @@ EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is k
 
 
 def now() -> str:
-    """The time in UTC, ISO 8601."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
@@ -788,8 +782,8 @@ class Guard:
 
 def collectives() -> dict:
     """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [the last collectives, each with its group and sequence number]}; entered > completed means the rank
-    waits in collective number `entered`. {} in one process; {"error": why} without a recorder."""
+    "last": [the last collectives]}; entered > completed: the rank waits in collective number `entered`. {} in one
+    process; {"error": why} without a recorder."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -844,9 +838,9 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
-    torchrun the ranks also exchange their records through the job's store, which answers while collectives hang, and
-    rank 0 returns hang_verdict's sentence to say (then sets hang/said); the others wait for that (bounded), as their
-    exit would break the collective rank 0 waits in and end it before it speaks."""
+    torchrun the ranks swap records through the job's store (it answers while collectives hang); rank 0 returns
+    hang_verdict's sentence to say, then hang/said is set, which the others wait for (bounded): their exit would
+    break the collective rank 0 waits in and end it before it speaks."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -884,11 +878,10 @@ LEASE_STALE_S = 10.0  # a lease not renewed for this long, as another job sees i
 
 
 class Lease:
-    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (owner id, host, pid, a heartbeat count renewed
-    every LEASE_BEAT_S), which works where flock does not (NFS, Lustre). Another job waits up to --lease_wait for a
-    live lease to end, then refuses naming its holder; it takes over, saying so, a lease whose heartbeat stopped (for
-    LEASE_STALE_S as it watches: no clocks compared) or whose holder on this host is gone. A holder whose lease was
-    taken stops at once."""
+    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (owner, host, pid, a heartbeat count renewed every
+    LEASE_BEAT_S), which works where flock does not (NFS, Lustre). Another job waits --lease_wait for a live lease to
+    end, then refuses naming its holder; it takes over, saying so, a lease whose heartbeat stopped for LEASE_STALE_S
+    as it watches (no clocks compared) or whose holder on this host is gone. A holder whose lease is taken stops."""
 
     def __init__(self, out_dir: str, wait_s: float):
         self.path = os.path.join(out_dir, "lease.json")
@@ -1024,9 +1017,9 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState, resolved: dict,
            alerts: Alerts) -> TrainConfig:
-    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
-    optimizer and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
-    checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
+    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into model, optimizer
+    and `state`; set resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the config
+    whose LR schedule the run follows."""
     targets = {"model": model, "optim": optimizer, "train": state.tensors()}
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
@@ -1122,9 +1115,9 @@ SETTINGS = [f"train.{name}" for name in (
 
 
 def compare_settings(resume_from: str, resolved: dict):
-    """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
-    data set or tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by
-    accident); the seed, sequence length and global batch fix which tokens each step reads, so they cannot change."""
+    """Say in one block how this launch's training settings differ from its checkpoint's. Another data set or
+    tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by accident);
+    the seed, sequence length and global batch fix which tokens each step reads: they cannot change."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     tc = resolved["train"]
     changed = {}
@@ -1208,7 +1201,7 @@ class Drills:
         self.spike_at = {int(n) for n in listed(self.tc.spike_at_step)}
 
     def skew_router(self, model):
-        """--skew_router: the first 2*top_k experts of every MoE layer start ahead (a resume loads the saved bias)."""
+        """--skew_router, in every MoE layer (a resume loads the saved bias over it)."""
         for moe in model.moe_layers() if self.tc.skew_router else ():
             moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
 
@@ -1222,12 +1215,10 @@ class Drills:
         return SPIKE_DRILL_SCALE if data_step in self.spike_at else 1.0
 
     def straggle(self, seconds: float):
-        """--straggle_rank: that rank sleeps `seconds`, as long as its own work of the step took."""
         if self.rank == self.tc.straggle_rank:
             time.sleep(seconds)
 
     def after_step(self, step: int):
-        """--crash_at_step: the last rank exits abruptly after this step."""
         if step + 1 == self.tc.crash_at_step and self.doomed:
             print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -1258,7 +1249,7 @@ class StepTimes:
     def gather(self, threshold: float) -> tuple[dict, str | None]:
         """slowest() of every rank's mean seconds per step since the last call, gathered in one all-reduce."""
         times_RP = torch.zeros(self.run.layout.world, len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
-        times_RP[self.run.rank] = self.sums_P / max(self.steps, 1)
+        times_RP[self.run.rank] = self.sums_P / self.steps
         parallel.all_reduce_sum_(times_RP)
         self.sums_P.zero_()
         self.steps = 0
@@ -1295,9 +1286,8 @@ DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than 
 
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint). A skipped step (non-finite, a spike) changes nothing and its batch is skipped
-    data, so the step counts updates. A failed checkpoint write (a full disk) is said and the run goes on; the final
-    one's failure is raised."""
+    preemption after a checkpoint. A skipped step (non-finite, a spike) changes nothing and its batch is skipped data,
+    so the step counts updates. A failed checkpoint write is said and the run goes on; the final one's is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
@@ -1422,8 +1412,8 @@ class Loop:
         return False
 
     def limits(self) -> tuple[tuple[float, float] | None, float]:
-        """(the loss and gradient norm above which this step is skipped, the loss above which the checkpoint just
-        loaded is damaged): spikes once --spike_window steps are recorded, a checkpoint on the first step after it."""
+        """(the loss and gradient norm above which this step is a spike, once --spike_window steps are recorded; the
+        loss above which the checkpoint just loaded is damaged, on the first step after it)."""
         tc = self.run.tc
         recent = self.state.recent
         if not tc.spike_threshold or not recent:
@@ -1537,8 +1527,7 @@ class Loop:
         self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
 
     def reload(self, up_to: int, history: dict | None = None) -> str | None:
-        """Load the newest checkpoint of a step at most `up_to` that loads, `history` (train state keys) laid over its
-        train state; returns its path (None: there is none)."""
+        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path or None."""
         self.complete()
         targets = {"model": self.model, "optim": self.optimizer, "train": self.state.tensors()}
         path, saved = checkpoint.load_latest(self.ckpt_root, targets, self.resolved, say, up_to=up_to)
@@ -1552,7 +1541,6 @@ class Loop:
         return path
 
     def stop(self, message: str, error: type = Stopped):
-        """Stop the run with one sentence, reported as the event `stopped` first."""
         self.alerts.event("stopped", self.state.step, message)
         raise error(message)
 
@@ -1660,8 +1648,7 @@ class Loop:
         self.sinks.close()
         if self.lost:
             raise self.lost
-        return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
-                "step": step}
+        return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss, "step": step}
 
 
 def sample(run: Run, model, tokenizer: str):
@@ -1678,7 +1665,7 @@ def sample(run: Run, model, tokenizer: str):
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached.
-    OUT_DIR's lease is given back however the run ends (a process that dies leaves one that others take over)."""
+    OUT_DIR's lease is given back however the run ends."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
