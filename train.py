@@ -134,8 +134,7 @@ class TrainConfig:
     async_ckpt: bool = option(True, "write checkpoints in the background while training continues")
     resume: str = option("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: "
                                  "start fresh; or a checkpoint directory")
-    overwrite: bool = option(False, "a new run replaces OUT_DIR's other run (checkpoints, metrics, config) instead "
-                                    "of being refused")
+    overwrite: bool = option(False, "replace OUT_DIR's other run (checkpoints, metrics, config) instead of refusing")
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
                                           "final LR, or stretch it over --steps", one_of("keep", "stretch"))
     init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
@@ -155,8 +154,7 @@ class TrainConfig:
                                           "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
-                                    "before the first, skipping the data from its batch to the last's (0: never)",
-                                 OFF_OR_MORE)
+                                    "before the first and skip the batches from it to the last (0: off)", OFF_OR_MORE)
     max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", OFF_OR_MORE)
     on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
                                "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (never saved)")
@@ -1119,7 +1117,6 @@ def compare_settings(resume_from: str, resolved: dict):
     tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by accident);
     the seed, sequence length and global batch fix which tokens each step reads: they cannot change."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
-    tc = resolved["train"]
     changed = {}
     for key in SETTINGS:
         table, name = key.split(".")
@@ -1129,7 +1126,7 @@ def compare_settings(resume_from: str, resolved: dict):
     if "data" in saved:  # the same data prepared elsewhere is the same data: its path may move
         changed.pop("data", None)
         if saved["data"]["fingerprint"] != resolved["data"]["fingerprint"]:
-            changed["data"] = (saved["train"]["data"], tc["data"])
+            changed["data"] = (saved["train"]["data"], resolved["train"]["data"])
     if "tokenizer" in saved:
         old = saved["tokenizer"]
         try:
@@ -1146,7 +1143,7 @@ def compare_settings(resume_from: str, resolved: dict):
                              f"which fixes the data order; resume with --{name}={changed[name][0]}, or start a new "
                              f"run.")
     for name in CHANGEABLE:
-        if name in changed and name not in listed(tc["allow_changed"]):
+        if name in changed and name not in listed(resolved["train"]["allow_changed"]):
             raise ValueError(f"--{name}={changed[name][1]} is not the {name} checkpoint {path} was trained on "
                              f"({changed[name][0]}); resume with --{name}={changed[name][0]}, or pass "
                              f"--allow_changed={name} to train on the new {name} from here on.")
@@ -1376,9 +1373,9 @@ class Loop:
         if run.device.type == "cuda":
             torch.cuda.synchronize()  # the device's compute, not only the host's launches
         t_compute = time.perf_counter()
-        # One all-reduce for the loop's decisions closes the step (each rank waits for the slowest): a preemption signal
-        # or a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is due, the global batch's
-        # token-id sum (a checksum of the data stream; float64 keeps integers below 2**53 exact), each source's loss.
+        # One all-reduce of the loop's decisions closes the step (each rank waits for the slowest): preemption or a
+        # checkpoint write in flight on any rank, rank 0's checkpoint clock, the global batch's token-id sum (a data
+        # checksum; float64 is exact below 2**53), each source's loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         source_B = torch.as_tensor(self.loader.sources_of(data_step), device=run.device)
@@ -1708,8 +1705,7 @@ if __name__ == "__main__":
     try:
         main(*parse_args())
     except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed, Stopped) as e:
-        # A bad flag or layout fails alike on every rank: rank 0 says it. Data can be one rank's own (a bad token in
-        # its rows): every rank says its own.
+        # A bad flag or layout fails alike on every rank (rank 0 says it); bad data can be one rank's own (it says it).
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
