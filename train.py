@@ -689,8 +689,7 @@ class Alerts:
         env = {**os.environ, "NANOTITAN_EVENT": name, "NANOTITAN_STEP": str(step), "NANOTITAN_MESSAGE": message,
                "NANOTITAN_OUT_DIR": self.out_dir}
         try:  # in its own session: torchrun tearing the job down does not kill the alert that says why
-            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             say(f"--on_event for {name} could not start ({e.strerror}); training goes on")
             return
@@ -1103,8 +1102,7 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
     return run, resolved, resume_from
 
 
-# Settings that change what a run trains, compared on resume with the checkpoint's: the data and its order, the
-# optimizer, the schedule, the balancing rule, the losses. (--steps has its own rule, --resume_schedule.)
+# Settings that change what a run trains, compared on resume with the checkpoint's (--steps has --resume_schedule).
 SETTINGS = [f"train.{name}" for name in (
     "data", "seed", "seq_len", "global_batch", "doc_mask", "optimizer", "lr", "muon_lr", "weight_decay",
     "beta1", "beta2", "muon_momentum", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac", "min_lr_ratio",
