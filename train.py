@@ -311,8 +311,7 @@ def read_config(path: str, settings: dict) -> dict:
 
 
 def data_spec(table: dict, path: str) -> str:
-    """--data's text for its TOML table: PATH = WEIGHT entries for one mixture, or such tables by the step each phase
-    starts at ([train.data.0], [train.data.120000])."""
+    """--data's text for its TOML table: PATH = WEIGHT entries, or such tables by the step each phase starts at."""
     phases = table if all(isinstance(v, dict) for v in table.values()) else {"0": table}
     if not all(step.replace("_", "").isdigit() and all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                         for w in weights.values()) for step, weights in phases.items()):
@@ -1201,8 +1200,7 @@ class Drills:
             moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
 
     def before_step(self, step: int, data_step: int) -> float:
-        """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); returns
-        the factor on this step's gradients: NaN with --nan_at_step, SPIKE_DRILL_SCALE with --spike_at_step, else 1."""
+        """--stall_at_step hangs the last rank (the others wait in the step's first collective); the gradient factor."""
         if step == self.tc.stall_at_step and self.doomed:
             time.sleep(10 * self.tc.step_timeout + 60)
         if data_step == self.tc.nan_at_step:
@@ -1471,8 +1469,7 @@ class Loop:
             self.rollback(step, data_step)
 
     def sources(self, step: int, loss_S: list[float]) -> dict:
-        """The record's fields by source: the step's tokens, their mean loss (from each source's summed sequence
-        losses), the epochs read so far; a source read more than REPEATED_EPOCHS times is said once."""
+        """The record's tokens, mean loss and epochs read by source; a source past REPEATED_EPOCHS is said once."""
         paths = self.loader.mixture.paths
         counts_S = self.loader.counts(step)
         epochs_S = self.loader.epochs(step)
@@ -1487,8 +1484,7 @@ class Loop:
 
     def rollback(self, step: int, data_step: int):
         """A burst of spikes (PaLM's recipe): back to the newest checkpoint before the first, skipping the data from
-        its batch through the last's. Skipped windows and rollbacks carry over; later checkpoints are deleted, so that
-        a restart never resumes them."""
+        its batch through the last's; later checkpoints are deleted, so that a restart never resumes them."""
         tc = self.run.tc
         state = self.state
         first_step, first_data = state.spikes[0]
@@ -1659,8 +1655,7 @@ def sample(run: Run, model, tokenizer: str):
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
-    """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached.
-    OUT_DIR's lease is given back however the run ends."""
+    """Set up, build, resume, train, finish (the lease given back however it ends): the losses and the step reached."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
