@@ -961,8 +961,7 @@ def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
     except OSError as e:
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
-    lease = None
-    refusal = None
+    lease = refusal = None
     if master:
         try:
             lease = Lease(tc.out_dir, tc.lease_wait)
@@ -1309,8 +1308,7 @@ class Loop:
         if tc.allow_changed:  # those losses are of other data or another tokenizer: the spike statistics start again
             state.recent = []
         self.ckpt_step = 0
-        self.final = False
-        self.disk_low = False
+        self.final = self.disk_low = False
         self.restart_record = self.restarted_as() if state.step else None
         self.report()
 
@@ -1555,16 +1553,14 @@ class Loop:
 
     def complete(self):
         """Wait for the checkpoint write in flight, if any, and mark its checkpoint complete."""
-        pending = self.pending
-        if pending is None:
+        if self.pending is None:
             return
         try:
-            pending.wait()
+            self.pending.wait()
         except checkpoint.SaveFailed as e:
             return self.failed(e)
         finally:
-            self.pending = None
-            self.writing = None
+            self.pending = self.writing = None
         say(f"checkpoint step_{self.ckpt_step:08d} complete, {time.time() - self.ckpt_time:.1f}s after it began")
         if self.run.master:
             self.report()  # its newest checkpoint
