@@ -154,7 +154,7 @@ class TrainConfig:
                                           "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
-                                    "before the first and skip the batches from it to the last (0: off)", OFF_OR_MORE)
+                                    "before the first, skipping the first's to the last's batch (0: off)", OFF_OR_MORE)
     max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", OFF_OR_MORE)
     on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
                                "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (never saved)")
@@ -449,7 +449,7 @@ def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
         median = statistics.median(values)
         deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
         limits.append(median + threshold * max(deviation, SPREAD_FLOOR * abs(median)))
-    return limits[0], limits[1]
+    return tuple(limits)
 
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, grad_scale: float = 1.0,
@@ -1323,7 +1323,7 @@ class Loop:
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
-        """The steps, then finish; however they end (a stop, bad data, a second Ctrl-C), the guard is closed."""
+        """The steps, then finish; however they end (a stop, bad data, a second Ctrl-C), guard and alerts close."""
         try:
             while self.state.step < self.run.tc.steps:
                 if self.step():
