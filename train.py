@@ -8,8 +8,8 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
     python train.py --data=data/web:0.7,data/code:0.3     # a mixture of sources (phases: README, Data)
     python train.py --help
 
-Each optimizer step: the rank's slice of the global batch in micro-batches with gradient accumulation, global gradient
-clipping, one optimizer step, then one expert-bias update from the whole global batch's tokens-per-expert counts.
+Each optimizer step: the rank's slice of the global batch in accumulated micro-batches, global gradient clipping, one
+optimizer step, then one expert-bias update from the global batch's tokens-per-expert counts.
 Logs go to the console, OUT_DIR/metrics.jsonl and, with --log_to=tensorboard,wandb, TensorBoard and W&B.
 Under `torchrun --max-restarts=N` a job whose rank dies restarts and resumes from its newest complete checkpoint.
 """
@@ -53,15 +53,19 @@ REPEATED_EPOCHS = 4  # more epochs of one source are warned about: past ~4, repe
 CHANGEABLE = ("tokenizer", "data")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
 
 
+def listed(text: str) -> list[str]:
+    """The items of a comma-separated flag value, blanks dropped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 @dataclass
 class TrainConfig:
-    """Every field is a --flag=value option, checked by its rule when the config is made (one sentence for all bad
-    values); sizes, batches and the layout are checked where they meet (parallel.Layout)."""
+    """Every field is a --flag=value option checked by its rule; parallel.Layout checks how sizes and batches meet."""
     # model and data
     preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
     data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output (the default corpus is prepared when absent) "
-                                              "or a Megatron-LM dataset's path prefix; a mixture: PATH:WEIGHT,PATH:"
-                                              "WEIGHT,...; phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
+                                              "or a Megatron-LM dataset's path prefix; a mixture: PATH:WEIGHT,...; "
+                                              "phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
     tokenizer: str = option("cl100k_base", "the data's tokenizer (data.py --tokenizer): tiktoken name or Hugging Face "
                                            "folder; sizes the vocabulary")
     seq_len: int = option(128, "tokens per sequence", POSITIVE)
@@ -72,11 +76,9 @@ class TrainConfig:
     micro_batch: int = option(0, "sequences per rank per forward, accumulated (0: global_batch / world size: none)",
                               at_least(0, "0 (global_batch / world size) or more"))
     lr: float = option(5e-3, "peak learning rate", NON_NEGATIVE)
-    min_lr_ratio: float = option(0.1, "final LR as a fraction of the peak", Rule(lambda v, _: 0 <= v <= 1,
-                                                                                  "between 0 and 1"))
+    min_lr_ratio: float = option(0.1, "final LR / peak LR", Rule(lambda v, _: 0 <= v <= 1, "between 0 and 1"))
     warmup_steps: int = option(20, "linear warmup steps", NON_NEGATIVE)
-    decay: str = option("cosine", "LR decay after warmup (wsd: constant, then a linear decay)",
-                        one_of("cosine", "linear", "wsd"))
+    decay: str = option("cosine", "LR decay after warmup (wsd: flat, then linear)", one_of("cosine", "linear", "wsd"))
     wsd_decay_frac: float = option(0.2, "fraction of steps, the last ones, spent decaying with --decay=wsd",
                                    Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1"))
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (not norms or biases)", NON_NEGATIVE)
@@ -85,7 +87,7 @@ class TrainConfig:
     optimizer: str = option("adamw", "muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW at "
                                      "--lr for the embedding, head, router and norms (as Trinity trained)",
                             one_of(*parallel.OPTIMIZERS))
-    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, scaled per matrix by sqrt(max(1, fan_out/fan_in))",
+    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in)) per matrix",
                             NON_NEGATIVE)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", FRACTION)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
@@ -107,16 +109,14 @@ class TrainConfig:
                               "world changes", NON_NEGATIVE)
     ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
-    keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward: "
-                                        "one all-gather per step, not two per micro-batch, for the whole model's "
-                                        "memory")
+    keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward "
+                                        "(one all-gather per step, not two per micro-batch; the whole model's memory)")
     compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
     # logging and evaluation
     out_dir: str = option("out", "where metrics.jsonl, config.json and checkpoints go")
     log_every: int = option(10, "log every N steps", POSITIVE)
-    log_to: str = option("none", "also log metrics to tensorboard (OUT_DIR/tensorboard), wandb or both, "
-                                 "comma-separated")
+    log_to: str = option("none", "also log to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
     wandb_project: str = option("nanotitan", "Weights & Biases project, with --log_to=wandb")
     wandb_mode: str = option("auto", "W&B mode (auto: WANDB_MODE, else online; offline: wandb sync uploads later)",
                              one_of("auto", "online", "offline", "disabled"))
@@ -129,53 +129,43 @@ class TrainConfig:
     # checkpoints and fault tolerance (checkpoint.py)
     ckpt_every: int = option(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)",
                              OFF_OR_MORE)
-    ckpt_minutes: float = option(30.0, "also checkpoint when this many minutes have passed since the last one "
-                                       "(0: off)", OFF_OR_MORE)
+    ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
     async_ckpt: bool = option(True, "write checkpoints in the background while training continues")
     resume: str = option("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: "
                                  "start fresh; or a checkpoint directory")
-    overwrite: bool = option(False, "a new run deletes OUT_DIR's other run (checkpoints, metrics.jsonl, config.json) "
-                                    "instead of being refused")
+    overwrite: bool = option(False, "replace OUT_DIR's other run (checkpoints, metrics, config) instead of refusing")
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
                                           "final LR, or stretch it over --steps", one_of("keep", "stretch"))
     init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
     allow_changed: str = option("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
-                                    "tokenizer or both, comma-separated (a curriculum change, recorded in "
-                                    "config.json)", Rule(lambda v, _: {n.strip() for n in v.split(",")} - {""}
-                                                         <= set(CHANGEABLE), "empty or some of tokenizer, data"))
+                                    "tokenizer or both, comma-separated (a curriculum change, kept in config.json)",
+                                Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE),
+                                     "empty or some of tokenizer, data"))
     step_timeout: float = option(600.0, "seconds without a completed step before the watchdog dumps stacks and exits "
                                         "(0: off); also the collective timeout", OFF_OR_MORE)
     lease_wait: float = option(60.0, "seconds to wait for another live job to leave OUT_DIR before refusing (keep "
                                      "it below --step_timeout)", NON_NEGATIVE)
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
     # unattended runs: spikes, rollbacks, events
-    spike_threshold: float = option(10.0, "a step whose loss or gradient norm exceeds the median of the last "
-                                          "--spike_window applied steps by this many robust deviations (1.4826 x "
-                                          "MAD, at least 0.02 x the median) is a spike, skipped with its batch; right "
-                                          "after a resume, 10 times as far means a damaged checkpoint (0: both off)",
-                                    OFF_OR_MORE)
-    spike_window: int = option(50, "applied steps the spike statistics span; spikes are judged once it is full",
-                               at_least(3))
+    spike_threshold: float = option(10.0, "skip with its batch a step whose loss or gradient norm is this many robust "
+                                          "deviations (1.4826 x MAD, at least 0.02 x the median) above the median of "
+                                          "the last --spike_window applied steps; 10 times as far right after a "
+                                          "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
+    spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
-                                    "before the first, skipping the data from its batch through the last's "
-                                    "(0: never)", OFF_OR_MORE)
+                                    "before the first, skipping the first's to the last's batch (0: off)", OFF_OR_MORE)
     max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", OFF_OR_MORE)
     on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
-                               "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (this launch's only: "
-                               "never saved)")
-    straggler_threshold: float = option(0.2, "at each log, name the slowest rank when its own time per step (data + "
-                                             "compute, not waiting) is more than this fraction above the other ranks' "
-                                             "median (0: never)", OFF_OR_MORE)
+                               "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (never saved)")
+    straggler_threshold: float = option(0.2, "at each log, name the slowest rank if its time per step (data + "
+                                             "compute) is this fraction above the others' median (0: off)", OFF_OR_MORE)
     crash_at_step: int = option(-1, "fault drill: the last rank dies after this step (first launch only)")
-    stall_at_step: int = option(-1, "fault drill: the last rank hangs in this step, for the watchdog (first launch "
-                                    "only)")
-    straggle_rank: int = option(-1, "straggler drill: this rank's steps take twice as long (it sleeps as long as its "
-                                    "own work took)")
-    nan_at_step: int = option(-1, "fault drill: the batch of this data step makes the gradients NaN, for the "
-                                  "non-finite guard")
-    spike_at_step: str = option("", "fault drill: the batches of these data steps (comma-separated) scale the "
-                                    "gradients 100 times, for the spike guard",
+    stall_at_step: int = option(-1, "fault drill: the last rank hangs in this step, for the watchdog (first launch)")
+    straggle_rank: int = option(-1, "straggler drill: this rank sleeps as long as its own work took, every step")
+    nan_at_step: int = option(-1, "fault drill: this data step's batch makes the gradients NaN (non-finite guard)")
+    spike_at_step: str = option("", "fault drill: these data steps' batches (comma-separated) scale the gradients "
+                                    "100 times (spike guard)",
                                 Rule(lambda v, _: not v or all(n.strip().isdigit() for n in v.split(",")),
                                      "empty or step numbers separated by commas"))
     skew_router: float = option(0.0, "collapse drill: a fresh run starts with this bias on the first 2*top_k experts")
@@ -228,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
                                                       "with [train] and [model] tables; flags given here override it")
     model_group = parser.add_argument_group("model overrides (default: the preset's value)")
-    settings = {f"train.{f.name}": f for f in fields(TrainConfig)} | {f"model.{f.name}": f for f in fields(ModelConfig)}
+    settings = {f"train.{f.name}": f for f in fields(TrainConfig)} | {f"model.{n}": f for n, f in MODEL_FIELDS.items()}
     for key, f in settings.items():  # "train.lr": its field
         kind = _kind(f)
         train_flag = key.startswith("train.")
@@ -258,10 +248,9 @@ TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for f in fields(TrainConfig)] + [f"-
 
 
 def parse_tool_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags (a mistyped one
-    names the closest)."""
+    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags."""
     args, rest = parser.parse_known_args(argv)
-    refuse_unknown(parser, [word for word in rest if word.startswith("-")], also=TRAIN_FLAGS, aliases=OTHER_NAMES)
+    refuse_unknown(parser, rest, also=TRAIN_FLAGS, aliases=OTHER_NAMES)
     return args, rest
 
 
@@ -294,8 +283,7 @@ def config_file(path: str) -> dict:
 
 def read_config(path: str, settings: dict) -> dict:
     """The flag values a config file sets, typed as the flags are (a config.json's model table rebuilds that model,
-    vocab_size and max_seq_len too, whatever the preset now says). ValueError, one sentence, for an unknown key or a
-    value of the wrong type."""
+    vocab_size and max_seq_len too); ValueError, one sentence, for an unknown key or a wrongly typed value."""
     entries = {}  # "train.lr": 0.01, ...
     for key, value in config_file(path).items():
         if key in ("train", "model") and isinstance(value, dict):
@@ -323,8 +311,7 @@ def read_config(path: str, settings: dict) -> dict:
 
 
 def data_spec(table: dict, path: str) -> str:
-    """--data's text for its TOML table: PATH = WEIGHT entries for one mixture, or such tables by the step each phase
-    starts at ([train.data.0], [train.data.120000])."""
+    """--data's text for its TOML table: PATH = WEIGHT entries, or such tables by the step each phase starts at."""
     phases = table if all(isinstance(v, dict) for v in table.values()) else {"0": table}
     if not all(step.replace("_", "").isdigit() and all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                         for w in weights.values()) for step, weights in phases.items()):
@@ -337,7 +324,7 @@ def data_spec(table: dict, path: str) -> str:
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
     """The preset, sized to the tokenizer's vocabulary (padded to a multiple of 128), then the user's overrides."""
     cfg = dataclasses.replace(PRESETS[tc.preset], **{"vocab_size": pad_vocab(vocab_size),
-                                                     "max_seq_len": max(tc.seq_len, 1), **overrides})
+                                                     "max_seq_len": tc.seq_len, **overrides})
     if cfg.max_seq_len < tc.seq_len:
         raise ValueError(f"--max_seq_len={cfg.max_seq_len} is below --seq_len={tc.seq_len}: the model would train on "
                          f"positions its exported config says it does not have; raise it or leave it unset.")
@@ -371,15 +358,13 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 
 def state_copies(tc: TrainConfig) -> int:
-    """fp32 copies of the weights training keeps: weights, gradients and the optimizer's moments (AdamW two; Muon one,
-    for the hidden matrices, which are nearly all of them)."""
+    """fp32 copies of the weights training keeps: weights, gradients, moments (AdamW two; Muon one, nearly all)."""
     return 4 if tc.optimizer == "adamw" else 3
 
 
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask: bool) -> float:
-    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks, with
-    training's doc_mask."""
+    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks."""
     model.eval()
     total = torch.zeros((), device=next(model.parameters()).device)
     count = 0
@@ -402,8 +387,7 @@ def phase(name: str):
 
 @dataclass
 class TrainState:
-    """What the loop carries from step to step besides model and optimizer; checkpoints hold all but bad_steps and
-    resumed_world."""
+    """What the loop carries from step to step besides model and optimizer."""
     step: int  # the next one
     momentum: torch.Tensor  # each MoE layer's balancing momentum [L, E]
     skipped: int = 0  # steps skipped, in all
@@ -413,16 +397,15 @@ class TrainState:
     recent: list = field(default_factory=list)  # [loss, grad norm] of the last applied steps: the spike statistics
     spikes: list = field(default_factory=list)  # the recent spikes' [step, data step]
     rollbacks: int = 0
+    KEPT = ("skipped", "skipped_data", "recent", "spikes", "rollbacks")  # in checkpoints, with step and momentum
 
     @classmethod
     def fresh(cls, model, device: torch.device) -> "TrainState":
         return cls(0, torch.zeros(len(model.moe_layers()), model.cfg.n_experts, device=device))
 
     def saved(self, step: int) -> dict:
-        """The checkpoint's train-state keys (the momentum a tensor, which the checkpoint keeps beside the weights)."""
-        return {"step": step, "skipped": self.skipped, "momentum": self.momentum,
-                "skipped_data": self.skipped_data, "recent": self.recent, "spikes": self.spikes,
-                "rollbacks": self.rollbacks}
+        """The checkpoint's train-state values (the momentum tensor is kept beside the weights)."""
+        return {"step": step, "momentum": self.momentum, **{name: getattr(self, name) for name in self.KEPT}}
 
     def tensors(self) -> dict:
         """Where a checkpoint's train-state tensors load, in place."""
@@ -431,12 +414,10 @@ class TrainState:
     def load(self, saved: dict):
         """The train state's values besides its tensors (checkpoint.load has loaded those in place)."""
         self.step = saved["step"]
-        self.skipped = saved["skipped"]
         self.resumed_world = saved.get("world_size", 0)
-        self.skipped_data = saved.get("skipped_data", [])  # absent from checkpoints older than the spike guard
-        self.recent = saved.get("recent", [])
-        self.spikes = saved.get("spikes", [])
-        self.rollbacks = saved.get("rollbacks", 0)
+        defaults = TrainState(0, self.momentum)  # for the keys checkpoints older than the spike guard lack
+        for name in self.KEPT:
+            setattr(self, name, saved.get(name, getattr(defaults, name)))
 
     def data_step(self) -> int:
         """The loader step this step reads: the (step + 1)-th outside the skipped windows."""
@@ -461,23 +442,22 @@ SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the media
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) above which a step is a spike: each one's median over `recent` plus `threshold` robust
-    deviations, the larger of 1.4826 x the median absolute deviation (a normal distribution's σ) and SPREAD_FLOOR x
-    the median."""
+    """(loss, gradient norm) above which a step is a spike: the median over `recent` plus `threshold` robust
+    deviations (1.4826 x the median absolute deviation is a normal distribution's σ)."""
     limits = []
     for values in zip(*recent):
         median = statistics.median(values)
         deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
         limits.append(median + threshold * max(deviation, SPREAD_FLOOR * abs(median)))
-    return limits[0], limits[1]
+    return tuple(limits)
 
 
 def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainState, grad_scale: float = 1.0,
                limits: tuple[float, float] | None = None) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update;
-    a non-finite step, or a spike (loss or gradient norm above `limits`), skips the last two. `grad_scale`: a drill's
-    factor on the gradients. Returns the losses averaged over the global batch, the global tokens-per-expert counts
-    [L, E], each of the rank's sequences' LM loss [B], and why the step was skipped (None, "non-finite" or "spike")."""
+    a non-finite step or a spike (loss or gradient norm above `limits`) skips the last two. Returns the global batch's
+    mean losses and tokens-per-expert counts [L, E], the rank's per-sequence LM loss [B] and why the step was skipped
+    (None, "non-finite" or "spike"). `grad_scale`: a drill's factor on the gradients."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -524,15 +504,15 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
         with phase("optimizer"):
             optimizer.step()
         state.bad_steps = 0
+        if tc.balance != "none" and (tc.bias_freeze_step < 0 or state.step < tc.bias_freeze_step):
+            with phase("expert-bias update"):
+                for l, moe in enumerate(layers):
+                    update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
+                                       tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
     else:  # a skipped step changes nothing: no update, no bias move
         state.bad_steps += skipped == "non-finite"
         state.skipped += 1
     optimizer.zero_grad(set_to_none=True)
-    if skipped is None and tc.balance != "none" and (tc.bias_freeze_step < 0 or state.step < tc.bias_freeze_step):
-        with phase("expert-bias update"):
-            for l, moe in enumerate(layers):
-                update_expert_bias(moe.expert_bias, counts_LE[l], state.momentum[l], tc.balance, tc.smebu_lambda,
-                                   tc.smebu_beta, tc.smebu_kappa, tc.sign_gamma)
     return {"loss": lm + aux + z, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": norm, "skipped": skipped,
             "counts_LE": counts_LE, "loss_B": torch.cat(loss_B)}
 
@@ -553,9 +533,9 @@ LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing (asked
-    of find_spec, which costs nothing). Not --log: torchrun would take it for an abbreviation of its --log-dir."""
-    names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
+    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing
+    (find_spec costs nothing). Not --log: torchrun would take it for its --log-dir."""
+    names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
             close = suggest(name, LOG_SINKS)
@@ -601,18 +581,17 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
 
 
 class MetricsSinks:
-    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks (scalars_of). A
-    resumed run logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead
-    launch's events past it (purge_step), W&B continues the same run (id in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks. A resumed run
+    logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead launch's events
+    past it (purge_step), W&B continues the same run (id in OUT_DIR/wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
         self.path = Path(tc.out_dir, "metrics.jsonl") if master else None
-        self.steps_lost = 0  # steps a dead launch logged past the checkpoint resumed: trained again
+        self.steps_lost = self.rewind(start_step)  # steps a dead launch logged past the checkpoint: trained again
         if not master:
             return
         write_config(Path(tc.out_dir), resolved, start_step)
-        self.steps_lost = self.rewind(start_step)
         names = log_sinks(tc.log_to)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
@@ -671,7 +650,6 @@ EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is k
 
 
 def now() -> str:
-    """The time in UTC, ISO 8601."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
@@ -681,17 +659,14 @@ def restarts() -> int:
 
 
 class Alerts:
-    """Rank 0 keeps OUT_DIR/status.json (the latest numbers and the last event, rewritten whole at the loop's start,
-    each log line, checkpoint and event) and runs --on_event's command in the background on each event: restart,
-    resume, spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished,
-    world_size_change, straggler, hang. A command still running after EVENT_TIMEOUT_S is killed; a failure is said,
-    never raised."""
+    """Rank 0 keeps OUT_DIR/status.json (the latest numbers and the last event) and runs --on_event's command in the
+    background on each event: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed,
+    disk_nearly_full, stopped, finished, world_size_change, straggler, hang. A failed command is said, never raised."""
 
     def __init__(self, run: "Run"):
-        tc = run.tc
         self.master = run.master
-        self.command = tc.on_event
-        self.out_dir = tc.out_dir
+        self.command = run.tc.on_event
+        self.out_dir = run.tc.out_dir
         self.restarts = restarts()
         self.status = None  # written once the loop begins: a launch with nothing to do writes nothing
         self.last_event = None
@@ -713,8 +688,7 @@ class Alerts:
         env = {**os.environ, "NANOTITAN_EVENT": name, "NANOTITAN_STEP": str(step), "NANOTITAN_MESSAGE": message,
                "NANOTITAN_OUT_DIR": self.out_dir}
         try:  # in its own session: torchrun tearing the job down does not kill the alert that says why
-            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             say(f"--on_event for {name} could not start ({e.strerror}); training goes on")
             return
@@ -749,9 +723,8 @@ class Alerts:
 
 class Guard:
     """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
-    step in flight, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`,
-    the watchdog dumps every thread's stack, writes report_hang's report into `hang_dir` and exits 3, so torchrun
-    restarts the job from the newest checkpoint."""
+    step, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`, the
+    watchdog dumps every thread's stack, writes report_hang's report to `hang_dir`, exits 3: torchrun restarts."""
 
     def __init__(self, timeout_s: float, hang_dir: str, alerts: Alerts):
         self.requested = self.interrupted = False
@@ -789,7 +762,7 @@ class Guard:
                 except Exception as e:  # an unwritable OUT_DIR must not keep the process from exiting
                     print(f"watchdog: no hang report ({e})", file=sys.stderr, flush=True)
                 self.alerts.event("hang", self.step, verdict or stalled)
-                if verdict and parallel.rank_world()[1] > 1:
+                if verdict:  # rank 0 of several ranks spoke: the others may exit
                     dist.distributed_c10d._get_default_store().set("hang/said", "1")
                 sys.stdout.flush()
                 os._exit(3)
@@ -805,8 +778,8 @@ class Guard:
 
 def collectives() -> dict:
     """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [the last collectives, each with its group and sequence number]}; entered > completed means the rank
-    waits in collective number `entered`. {} in one process; {"error": why} without a recorder."""
+    "last": [the last collectives]}; entered > completed: the rank waits in collective number `entered`. {} in one
+    process; {"error": why} without a recorder."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -861,9 +834,9 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
-    torchrun the ranks also exchange their records through the job's store, which answers while collectives hang, and
-    rank 0 returns hang_verdict's sentence to say (then sets hang/said); the others wait for that (bounded), as their
-    exit would break the collective rank 0 waits in and end it before it speaks."""
+    torchrun the ranks swap records through the job's store (it answers while collectives hang); rank 0 returns
+    hang_verdict's sentence to say, then hang/said is set, which the others wait for (bounded): their exit would
+    break the collective rank 0 waits in and end it before it speaks."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -901,11 +874,10 @@ LEASE_STALE_S = 10.0  # a lease not renewed for this long, as another job sees i
 
 
 class Lease:
-    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (an owner id, host, pid and a heartbeat count a
-    thread renews every LEASE_BEAT_S), which works on shared filesystems where flock does not (NFS, Lustre). Another
-    job waits up to --lease_wait seconds for a live lease to end, then refuses naming its holder; a lease whose
-    heartbeat stopped (for LEASE_STALE_S as the newcomer watches it: no clocks are compared) or whose holder on this
-    host is gone is taken over, and the takeover said. A holder that finds its lease taken stops at once."""
+    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (owner, host, pid, a heartbeat count renewed every
+    LEASE_BEAT_S), which works where flock does not (NFS, Lustre). Another job waits --lease_wait for a live lease to
+    end, then refuses naming its holder; it takes over, saying so, a lease whose heartbeat stopped for LEASE_STALE_S
+    as it watches (no clocks compared) or whose holder on this host is gone. A holder whose lease is taken stops."""
 
     def __init__(self, out_dir: str, wait_s: float):
         self.path = os.path.join(out_dir, "lease.json")
@@ -968,8 +940,7 @@ class Lease:
 
     def release(self):
         self.stopped.set()
-        held = self.held()
-        if held is not None and held["owner"] == self.mine["owner"]:
+        if (self.held() or {}).get("owner") == self.mine["owner"]:
             os.remove(self.path)
 
 
@@ -982,8 +953,7 @@ def rank0s(value):
 
 
 def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
-    """Make OUT_DIR and take its lease on rank 0; one sentence, on every rank, if it cannot be written or another
-    job holds it."""
+    """Make OUT_DIR and take its lease on rank 0; one sentence, on every rank, if it is unwritable or held."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -991,8 +961,7 @@ def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
     except OSError as e:
         raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this "
                          f"user can create and write.") from None
-    lease = None
-    refusal = None
+    lease = refusal = None
     if master:
         try:
             lease = Lease(tc.out_dir, tc.lease_wait)
@@ -1018,9 +987,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
     if tc.resume == "auto" and not tc.init_from_hf:
         return tc, root if checkpoint.latest(root) else None
     resume_from = None if tc.resume in ("auto", "none") else tc.resume
-    if resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root)):
-        return tc, resume_from  # a checkpoint of this OUT_DIR's run: it goes on from there
-    if restarted:  # the files are its own first attempt's: metrics.jsonl is cut back to the step it starts from
+    # A checkpoint of this OUT_DIR's run goes on from there; a restarted job's files are its own first attempt's.
+    if restarted or (resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root))):
         return tc, resume_from
     # A run is its checkpoints and metrics; a config.json alone is what a launch that failed before its first step left.
     is_run = (os.path.isdir(root) and os.listdir(root)) or os.path.exists(os.path.join(tc.out_dir, "metrics.jsonl"))
@@ -1044,9 +1012,9 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState, resolved: dict,
            alerts: Alerts) -> TrainConfig:
-    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into the model,
-    optimizer and `state`; set resolved["run_id"], the checkpoint's or a new one (a run prunes only its own
-    checkpoints). Returns the config whose LR schedule the run follows: lr_at(min(step, steps - 1), ...)."""
+    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into model, optimizer
+    and `state`; set resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the config
+    whose LR schedule the run follows."""
     targets = {"model": model, "optim": optimizer, "train": state.tensors()}
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
@@ -1057,8 +1025,8 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: Tr
         return tc
     state.load(saved)
     resolved["run_id"] = saved.get("run_id")
-    alerts.event("restart" if alerts.restarts else "resume", state.step, f"resumed from {resume_from} at step "
-                                                                         f"{state.step}")
+    alerts.event("restart" if alerts.restarts else "resume", state.step,
+                 f"resumed from {resume_from} at step {state.step}")
     schedule_steps = saved.get("schedule_steps", tc.steps)
     if schedule_steps == tc.steps:
         return tc
@@ -1082,8 +1050,7 @@ def autocast_for(tc: TrainConfig, device: torch.device):
 
 @dataclass
 class Run:
-    """Where and how a run computes, settled on every rank before anything heavy is built (the layout checked before
-    any collective)."""
+    """Where and how a run computes, settled on every rank (the layout checked) before any build or collective."""
     tc: TrainConfig
     cfg: ModelConfig
     layout: parallel.Layout
@@ -1133,8 +1100,7 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
     return run, resolved, resume_from
 
 
-# Settings that change what a run trains, compared on resume with the checkpoint's: the data and its order, the
-# optimizer, the schedule, the balancing rule, the losses. (--steps has its own rule, --resume_schedule.)
+# Settings that change what a run trains, compared on resume with the checkpoint's (--steps has --resume_schedule).
 SETTINGS = [f"train.{name}" for name in (
     "data", "seed", "seq_len", "global_batch", "doc_mask", "optimizer", "lr", "muon_lr", "weight_decay",
     "beta1", "beta2", "muon_momentum", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac", "min_lr_ratio",
@@ -1142,13 +1108,11 @@ SETTINGS = [f"train.{name}" for name in (
     "model.aux_loss_coef", "model.z_loss_coef"]
 
 
-
 def compare_settings(resume_from: str, resolved: dict):
-    """Say in one block how this launch's training settings differ from those of the checkpoint it resumes. Another
-    data set or tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by
-    accident); the seed, sequence length and global batch fix which tokens each step reads, so they cannot change."""
+    """Say in one block how this launch's training settings differ from its checkpoint's. Another data set or
+    tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by accident);
+    the seed, sequence length and global batch fix which tokens each step reads: they cannot change."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
-    tc = resolved["train"]
     changed = {}
     for key in SETTINGS:
         table, name = key.split(".")
@@ -1158,7 +1122,7 @@ def compare_settings(resume_from: str, resolved: dict):
     if "data" in saved:  # the same data prepared elsewhere is the same data: its path may move
         changed.pop("data", None)
         if saved["data"]["fingerprint"] != resolved["data"]["fingerprint"]:
-            changed["data"] = (saved["train"]["data"], tc["data"])
+            changed["data"] = (saved["train"]["data"], resolved["train"]["data"])
     if "tokenizer" in saved:
         old = saved["tokenizer"]
         try:
@@ -1169,14 +1133,13 @@ def compare_settings(resume_from: str, resolved: dict):
             changed["tokenizer"] = (old["name"], resolved["tokenizer"]["name"])
     if not changed:
         return
-    allowed = [name.strip() for name in tc["allow_changed"].split(",") if name.strip()]
     for name in ("seed", "seq_len", "global_batch"):
         if name in changed:
             raise ValueError(f"--{name}={changed[name][1]} differs from the {changed[name][0]} of checkpoint {path}, "
                              f"which fixes the data order; resume with --{name}={changed[name][0]}, or start a new "
                              f"run.")
     for name in CHANGEABLE:
-        if name in changed and name not in allowed:
+        if name in changed and name not in listed(resolved["train"]["allow_changed"]):
             raise ValueError(f"--{name}={changed[name][1]} is not the {name} checkpoint {path} was trained on "
                              f"({changed[name][0]}); resume with --{name}={changed[name][0]}, or pass "
                              f"--allow_changed={name} to train on the new {name} from here on.")
@@ -1228,16 +1191,15 @@ class Drills:
         self.tc = run.tc
         self.rank = run.rank
         self.doomed = restarts() == 0 and run.rank == run.layout.world - 1  # the rank the crash and stall drills stop
-        self.spike_at = {int(n) for n in self.tc.spike_at_step.split(",") if n.strip()}
+        self.spike_at = {int(n) for n in listed(self.tc.spike_at_step)}
 
     def skew_router(self, model):
-        """--skew_router: the first 2*top_k experts of every MoE layer start ahead (a resume loads the saved bias)."""
+        """--skew_router, in every MoE layer (a resume loads the saved bias over it)."""
         for moe in model.moe_layers() if self.tc.skew_router else ():
             moe.expert_bias[: 2 * model.cfg.top_k] += self.tc.skew_router
 
     def before_step(self, step: int, data_step: int) -> float:
-        """--stall_at_step hangs the last rank here (the others wait for it in the step's first collective); returns
-        the factor on this step's gradients: NaN with --nan_at_step, SPIKE_DRILL_SCALE with --spike_at_step, else 1."""
+        """--stall_at_step hangs the last rank (the others wait in the step's first collective); the gradient factor."""
         if step == self.tc.stall_at_step and self.doomed:
             time.sleep(10 * self.tc.step_timeout + 60)
         if data_step == self.tc.nan_at_step:
@@ -1245,12 +1207,10 @@ class Drills:
         return SPIKE_DRILL_SCALE if data_step in self.spike_at else 1.0
 
     def straggle(self, seconds: float):
-        """--straggle_rank: that rank sleeps `seconds`, as long as its own work of the step took."""
         if self.rank == self.tc.straggle_rank:
             time.sleep(seconds)
 
     def after_step(self, step: int):
-        """--crash_at_step: the last rank exits abruptly after this step."""
         if step + 1 == self.tc.crash_at_step and self.doomed:
             print(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -1281,7 +1241,7 @@ class StepTimes:
     def gather(self, threshold: float) -> tuple[dict, str | None]:
         """slowest() of every rank's mean seconds per step since the last call, gathered in one all-reduce."""
         times_RP = torch.zeros(self.run.layout.world, len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
-        times_RP[self.run.rank] = self.sums_P / max(self.steps, 1)
+        times_RP[self.run.rank] = self.sums_P / self.steps
         parallel.all_reduce_sum_(times_RP)
         self.sums_P.zero_()
         self.steps = 0
@@ -1318,10 +1278,8 @@ DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than 
 
 class Loop:
     """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption (after a checkpoint). A skipped step (non-finite, or a spike: skip) changes nothing and its batch is
-    skipped data: the same step is taken again on the next batch, so the step counts updates and the LR schedule
-    follows it. A checkpoint write that fails (a full disk) is said in one line and the run goes on from the previous
-    one; the final one's failure is raised."""
+    preemption after a checkpoint. A skipped step (non-finite, a spike) changes nothing and its batch is skipped data,
+    so the step counts updates. A failed checkpoint write is said and the run goes on; the final one's is raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
@@ -1350,8 +1308,7 @@ class Loop:
         if tc.allow_changed:  # those losses are of other data or another tokenizer: the spike statistics start again
             state.recent = []
         self.ckpt_step = 0
-        self.final = False
-        self.disk_low = False
+        self.final = self.disk_low = False
         self.restart_record = self.restarted_as() if state.step else None
         self.report()
 
@@ -1366,8 +1323,7 @@ class Loop:
         return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
 
     def train(self) -> dict:
-        """The steps, then finish. However they end (a stop, bad data, a second Ctrl-C), the watchdog stops and the
-        signals are given back: train.main may run inside another program, which the watchdog would end."""
+        """The steps, then finish; however they end (a stop, bad data, a second Ctrl-C), guard and alerts close."""
         try:
             while self.state.step < self.run.tc.steps:
                 if self.step():
@@ -1384,11 +1340,12 @@ class Loop:
         """Give up the checkpoint being written, if any, removing its partial files: what a second Ctrl-C says."""
         newest = checkpoint.latest(self.ckpt_root) or "none"
         if self.writing is None:
-            return (f"interrupted again: stopped at once in step {self.state.step + 1}; the newest checkpoint is "
-                    f"{newest}")
-        partial = checkpoint.abandon(self.ckpt_root, self.writing)
-        return (f"interrupted again: checkpoint step_{self.writing:08d} abandoned before it was complete (its partial "
-                f"files {partial} removed); the newest checkpoint is {newest}")
+            what = f"stopped at once in step {self.state.step + 1}"
+        else:
+            partial = checkpoint.abandon(self.ckpt_root, self.writing)
+            what = (f"checkpoint step_{self.writing:08d} abandoned before it was complete (its partial files "
+                    f"{partial} removed)")
+        return f"interrupted again: {what}; the newest checkpoint is {newest}"
 
     def step(self) -> bool:
         """One optimizer step (state.step) and the decisions after it; True when the run stops here (preempted)."""
@@ -1410,9 +1367,9 @@ class Loop:
         if run.device.type == "cuda":
             torch.cuda.synchronize()  # the device's compute, not only the host's launches
         t_compute = time.perf_counter()
-        # One all-reduce for the loop's decisions closes the step (each rank waits for the slowest): a preemption signal
-        # or a checkpoint write in flight on any rank, rank 0's clock saying a checkpoint is due, the global batch's
-        # token-id sum (a checksum of the data stream; float64 keeps integers below 2**53 exact), each source's loss.
+        # One all-reduce of the loop's decisions closes the step (each rank waits for the slowest): preemption or a
+        # checkpoint write in flight on any rank, rank 0's checkpoint clock, the global batch's token-id sum (a data
+        # checksum; float64 is exact below 2**53), each source's loss.
         writing = self.pending is not None and not self.pending.done()
         clock_due = run.master and bool(tc.ckpt_minutes) and time.time() - self.ckpt_time >= 60 * tc.ckpt_minutes
         source_B = torch.as_tensor(self.loader.sources_of(data_step), device=run.device)
@@ -1446,9 +1403,8 @@ class Loop:
         return False
 
     def limits(self) -> tuple[tuple[float, float] | None, float]:
-        """(the loss and gradient norm above which this step is skipped, the loss above which the checkpoint just
-        loaded is damaged). Spikes are judged once --spike_window applied steps are recorded; a checkpoint, on the
-        first step after it is loaded, against whatever it recorded."""
+        """(the loss and gradient norm above which this step is a spike, once --spike_window steps are recorded; the
+        loss above which the checkpoint just loaded is damaged, on the first step after it)."""
         tc = self.run.tc
         recent = self.state.recent
         if not tc.spike_threshold or not recent:
@@ -1502,17 +1458,16 @@ class Loop:
                           f"data of these steps, then resume")
             return
         state.spikes = [s for s in state.spikes if s[0] > step - tc.spike_window] + [[step, data_step]]
-        self.alerts.event("spike", step + 1, f"step {step + 1}: spike (loss {out['loss']:.4g}, limit {limits[0]:.4g}; "
-                                             f"gradient norm {out['grad_norm']:.4g}, limit {limits[1]:.4g}: the "
-                                             f"last {len(state.recent)} steps' medians + {tc.spike_threshold:g} "
-                                             f"robust deviations); skipped with its batch (data step {data_step}), "
-                                             f"{len(state.spikes)} within {tc.spike_window} steps")
+        self.alerts.event("spike", step + 1,
+                          f"step {step + 1}: spike (loss {out['loss']:.4g}, limit {limits[0]:.4g}; gradient norm "
+                          f"{out['grad_norm']:.4g}, limit {limits[1]:.4g}: the last {len(state.recent)} steps' medians "
+                          f"+ {tc.spike_threshold:g} robust deviations); skipped with its batch (data step "
+                          f"{data_step}), {len(state.spikes)} within {tc.spike_window} steps")
         if tc.spike_rollback and len(state.spikes) >= tc.spike_rollback:
             self.rollback(step, data_step)
 
     def sources(self, step: int, loss_S: list[float]) -> dict:
-        """The record's fields by source: the step's tokens, their mean loss (from each source's summed sequence
-        losses), the epochs read so far; a source read more than REPEATED_EPOCHS times is said once."""
+        """The record's tokens, mean loss and epochs read by source; a source past REPEATED_EPOCHS is said once."""
         paths = self.loader.mixture.paths
         counts_S = self.loader.counts(step)
         epochs_S = self.loader.epochs(step)
@@ -1526,9 +1481,8 @@ class Loop:
                 "epochs_by_source": {path: round(float(e), 4) for path, e in zip(paths, epochs_S)}}
 
     def rollback(self, step: int, data_step: int):
-        """A burst of spikes, PaLM's recipe: back to the newest checkpoint before the first, the data from the first
-        spike's batch through the last's skipped. The skipped windows and the rollbacks made carry over; the abandoned
-        checkpoints after the one loaded are deleted, so that a restart never resumes them."""
+        """A burst of spikes (PaLM's recipe): back to the newest checkpoint before the first, skipping the data from
+        its batch through the last's; later checkpoints are deleted, so that a restart never resumes them."""
         tc = self.run.tc
         state = self.state
         first_step, first_data = state.spikes[0]
@@ -1546,9 +1500,9 @@ class Loop:
                       f"--ckpt_every or raise --keep_ckpts, then resume")
         if self.run.master:
             checkpoint.remove_after(self.ckpt_root, state.step)
-        self.alerts.event("rollback", state.step, f"{burst}: rolled back to {path} (rollback {state.rollbacks} of "
-                                                  f"at most {tc.max_rollbacks}); data steps {first_data} to "
-                                                  f"{data_step} are skipped")
+        self.alerts.event("rollback", state.step, f"{burst}: rolled back to {path} (rollback {state.rollbacks} of at "
+                                                  f"most {tc.max_rollbacks}); data steps {first_data} to {data_step} "
+                                                  f"are skipped")
 
     def fall_back(self, step: int, out: dict, damaged_above: float):
         """The checkpoint just loaded makes a loss far beyond those it recorded: damaged; the one before it loads."""
@@ -1562,12 +1516,10 @@ class Loop:
         self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
 
     def reload(self, up_to: int, history: dict | None = None) -> str | None:
-        """Load the newest checkpoint of a step at most `up_to` that loads, `history` (train state keys) laid over its
-        train state; returns its path (None: there is none)."""
+        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path or None."""
         self.complete()
-        path, saved = checkpoint.load_latest(self.ckpt_root, {"model": self.model, "optim": self.optimizer,
-                                                              "train": self.state.tensors()}, self.resolved, say,
-                                             up_to=up_to)
+        targets = {"model": self.model, "optim": self.optimizer, "train": self.state.tensors()}
+        path, saved = checkpoint.load_latest(self.ckpt_root, targets, self.resolved, say, up_to=up_to)
         if saved is None:
             return None
         self.state.load({**saved, **(history or {})})
@@ -1578,7 +1530,6 @@ class Loop:
         return path
 
     def stop(self, message: str, error: type = Stopped):
-        """Stop the run with one sentence, reported as the event `stopped` first."""
         self.alerts.event("stopped", self.state.step, message)
         raise error(message)
 
@@ -1602,16 +1553,14 @@ class Loop:
 
     def complete(self):
         """Wait for the checkpoint write in flight, if any, and mark its checkpoint complete."""
-        pending = self.pending
-        if pending is None:
+        if self.pending is None:
             return
         try:
-            pending.wait()
+            self.pending.wait()
         except checkpoint.SaveFailed as e:
             return self.failed(e)
         finally:
-            self.pending = None
-            self.writing = None
+            self.pending = self.writing = None
         say(f"checkpoint step_{self.ckpt_step:08d} complete, {time.time() - self.ckpt_time:.1f}s after it began")
         if self.run.master:
             self.report()  # its newest checkpoint
@@ -1621,12 +1570,12 @@ class Loop:
         """After each checkpoint, an event when OUT_DIR has room for fewer than two more (once, until it has again)."""
         size = sum(f.stat().st_size for f in Path(self.ckpt_root, f"step_{self.ckpt_step:08d}").iterdir())
         free = shutil.disk_usage(self.run.tc.out_dir).free
-        if free < 2 * size and not self.disk_low:
-            self.alerts.event("disk_nearly_full", self.ckpt_step, f"{self.run.tc.out_dir} has {free / 2**30:.2f} GiB "
-                                                                  f"free, room for fewer than two more checkpoints of "
-                                                                  f"{size / 2**30:.2f} GiB; free some space or lower "
-                                                                  f"--keep_ckpts")
-        self.disk_low = free < 2 * size
+        low = free < 2 * size
+        if low and not self.disk_low:
+            self.alerts.event("disk_nearly_full", self.ckpt_step,
+                              f"{self.run.tc.out_dir} has {free / 2**30:.2f} GiB free, room for fewer than two more "
+                              f"checkpoints of {size / 2**30:.2f} GiB; free some space or lower --keep_ckpts")
+        self.disk_low = low
 
     def failed(self, e: checkpoint.SaveFailed):
         if self.final:
@@ -1686,8 +1635,7 @@ class Loop:
         self.sinks.close()
         if self.lost:
             raise self.lost
-        return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss,
-                "step": step}
+        return {"first_loss": self.first_loss, "loss": out and out["loss"], "val_loss": self.val_loss, "step": step}
 
 
 def sample(run: Run, model, tokenizer: str):
@@ -1703,8 +1651,7 @@ def sample(run: Run, model, tokenizer: str):
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
-    """Set the run up, build it, resume it, train, finish; returns the first and last losses and the step reached.
-    OUT_DIR's lease is given back however the run ends (a process that dies leaves one that others take over)."""
+    """Set up, build, resume, train, finish (the lease given back however it ends): the losses and the step reached."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     used = parallel.Layout.following(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # may stand some ranks by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
@@ -1747,8 +1694,7 @@ if __name__ == "__main__":
     try:
         main(*parse_args())
     except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed, Stopped) as e:
-        # A bad flag or layout fails alike on every rank: rank 0 says it. Data can be one rank's own (a bad token in
-        # its rows): every rank says its own.
+        # A bad flag or layout fails alike on every rank (rank 0 says it); bad data can be one rank's own (it says it).
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
