@@ -1668,6 +1668,12 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     train_loader, val_loaders = loaders(run)
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
+    if tc.dp_replicate == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agents (torch 2.11-2.13) share their rendezvous store with the workers, and a node joining after
+        # the first round then waits forever for an address the rank-0 agent no longer publishes.
+        say("warning: a node that joins this elastic job later will wait forever; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node so that the job can grow "
+            "(it shrinks either way)")
 
     model, optimizer = build(run)
     if tc.init_from_hf and resume_from is None:  # a restarted job resumes its own checkpoint instead

@@ -84,6 +84,7 @@ def test_launcher_killed_alone_leaves_no_worker_and_the_relaunch_finishes_bitwis
     code, stdout, err = run(argv, tmp_path / "last", nproc=3)
     assert code == 0, err[-4000:]
     assert "rank 2 stands by: the first 2 of 3 ranks train; it is used at the next restart" in stdout
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment" in stdout  # growth would wait forever
     assert "taken over from host" in stdout  # the dead job's lease
     logged = rows(out)
     assert [r["step"] for r in logged] == list(range(1, 13))
@@ -133,7 +134,7 @@ def agent(argv: list[str], port: int, log: Path, host: bool = False) -> subproce
     `host` agent holds the rendezvous store (a node the test never kills: the store is a single point of failure)."""
     # torch 2.11-2.13's agents share their rendezvous store with the workers by default, and a node that joins after
     # the first round then waits forever for the address the rank-0 agent no longer publishes: the variable turns that
-    # sharing off (README, Limits). Shrinking and restarts work either way.
+    # sharing off (train.py warns without it). Shrinking and restarts work either way.
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic",
@@ -183,3 +184,4 @@ def test_a_node_dies_the_job_shrinks_it_returns_the_job_grows(uninterrupted, cor
         assert abs(r["lm_loss"] - ref[r["step"]]["lm_loss"]) <= LOSS_TOL, (r["step"], r["lm_loss"])
     said = (tmp_path / "a.log").read_text()
     assert "world size changed: 4 -> 2 ranks" in said and "world size changed: 2 -> 4 ranks" in said
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in said  # set: no warning
