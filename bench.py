@@ -12,10 +12,9 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
     python bench.py data --workers 1 2                   # data.py's tokens/s per core vs tiktoken's batch encoder
 
-`--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
-loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
-On a shared machine compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu`
-(two threads on two busy cores can run 100x slower).
+`--compare` exits 0: nothing moved, 1: slower, 3: the numbers moved, 4: both, 2: bad input. On a shared machine
+compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy
+cores can run 100x slower).
 """
 
 import argparse
@@ -188,18 +187,15 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
             e = e.cpu_parent
         return "other" if e is None else e.name[len(PHASE):]
 
-    resolved = []
+    table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
+    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    phases = defaultdict(float)
     forward_of = {}
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # a node's forward op before its backward
         label, where = owner(e)
         if label is not None and e.sequence_nr >= 0:
             # Ops that make no autograd node record the next sequence number too; the last to record it made it.
             forward_of[(e.thread, e.sequence_nr)] = label
-        resolved.append((e, label, where))
-    table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
-    phases = defaultdict(float)
-    for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
         ms = self_us(e) / 1e3 / steps

@@ -28,8 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
+# --- Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
 
 @dataclass(frozen=True)
 class Rule:
@@ -106,8 +105,7 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: refuses an unknown flag naming the one it most likely means (aliases:
-    other programs' names for its flags)."""
+    """argparse refusing an unknown flag by naming the likeliest one (aliases: other programs' names for flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -219,8 +217,7 @@ def pad_vocab(n_tokens: int) -> int:
     return -(-n_tokens // 128) * 128
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Building blocks
+# --- Building blocks
 
 class _RMSNorm(torch.autograd.Function):
     """weight * x / rms(x), saving x and one scalar per row: about half the passes over x of autograd's backward."""
@@ -386,8 +383,7 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Mixture of experts
+# --- Mixture of experts
 
 # torch 2.11 may only have the private name. grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs
 # fp32: compiled fp32 runs it eagerly.
@@ -578,8 +574,7 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
         bias_E += delta_E - delta_E.mean()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The output head fused with the loss
+# --- The output head fused with the loss
 
 # Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache is faster than all rows.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
@@ -640,42 +635,41 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dh_ND = torch.empty_like(h_ND)
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
-        if not fp32:  # rounding matmuls
+        if fp32:
+            exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
+            shifted = False
+        else:  # rounding matmuls
             fused = compiled(lse_and_grad) if device.type == "cuda" else lse_and_grad
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
-            for start in range(0, N, rows):
-                end = min(start + rows, N)
-                t = targets_N1[start:end]
-                logits_CV = h_ND[start:end] @ weight_VD.t()
+        for start in range(0, N, rows):
+            end = min(start + rows, N)
+            h = h_ND[start:end]
+            t = targets_N1[start:end]
+            if not fp32:
+                logits_CV = h @ weight_VD.t()
                 picked_N1[start:end] = logits_CV.gather(1, t)
                 first = start - start % group
                 lse_N1[start:end] = fused(logits_CV, t, g_GV[start - first:end - first] if grads else None)
                 if grads and (end % group == 0 or end == N):
                     torch.mm(g_GV[:end - first], weight_VD, out=dh_ND[first:end])
                     dweight_VD += g_GV[:end - first].t() @ h_valid_ND[first:end]
-        else:
-            exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
-            shifted = False
-            for start in range(0, N, rows):
-                end = min(start + rows, N)
-                e = exp_CV[:end - start]
-                h = h_ND[start:end]
-                t = targets_N1[start:end]
-                torch.mm(h, weight_VD.t(), out=e)
-                torch.gather(e, 1, t, out=picked_N1[start:end])
-                shift = 0.0
-                if not shifted:
-                    s = e.exp_().sum(-1, keepdim=True)
-                    shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
-                    if shifted:
-                        torch.mm(h, weight_VD.t(), out=e)
+                continue
+            e = exp_CV[:end - start]
+            torch.mm(h, weight_VD.t(), out=e)
+            torch.gather(e, 1, t, out=picked_N1[start:end])
+            shift = 0.0
+            if not shifted:
+                s = e.exp_().sum(-1, keepdim=True)
+                shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
                 if shifted:
-                    shift = e.amax(-1, keepdim=True)
-                    s = e.sub_(shift).exp_().sum(-1, keepdim=True)
-                torch.add(s.log(), shift, out=lse_N1[start:end])
-                if grads:  # the one-hot's share after the loop
-                    torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
-                    dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
+                    torch.mm(h, weight_VD.t(), out=e)
+            if shifted:
+                shift = e.amax(-1, keepdim=True)
+                s = e.sub_(shift).exp_().sum(-1, keepdim=True)
+            torch.add(s.log(), shift, out=lse_N1[start:end])
+            if grads:  # the one-hot's share after the loop
+                torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
+                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
         n_valid = valid_N1.sum()
         loss_N = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).squeeze(1)
     if not grads:
@@ -705,8 +699,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return dh_ND.mul_(scale).to(ctx.dtypes[0]), dweight_VD.mul_(scale).to(ctx.dtypes[1]), None
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The transformer
+# --- The transformer
 
 class Block(nn.Module):
     """Sandwich norms around both sub-blocks: x = x + post_norm(f(pre_norm(x))), post gains start at 1/sqrt(L)."""

@@ -47,8 +47,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Process group
+# --- Process group
 
 def host_memory_available() -> int | None:
     """What new allocations can take without swapping (the kernel's MemAvailable), in bytes; None without /proc."""
@@ -201,8 +200,7 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Layout and mesh
+# --- Layout and mesh
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -325,8 +323,7 @@ def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
         return mesh[names]
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
+# --- The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
 
 class ExpertParallelExperts(GroupedExperts):
     """The E/ep experts of this EP rank; forward sends each token to its expert's rank and back. The weights are
@@ -453,17 +450,17 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
 
 
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
-                ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
+                ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
     """Build on meta, then EP, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
     mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of them cannot fit,
-    and initialise them from `seed`, the same weights whatever the layout. `compile`: True (inductor) or a backend."""
+    and initialise them from `seed`, the same weights whatever the layout."""
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
     apply_ac(model, ac)
     if compile:
-        apply_compile(model, "inductor" if compile is True else compile)
+        apply_compile(model)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype)
     if device.type == "cpu":
@@ -477,8 +474,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     return model
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
+# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -685,14 +685,11 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--net_gbs", type=number, default=0, help="network GB/s per GPU each way (0: the GPU's)")
     add("--latency_us", type=number, default=5.0, help="microseconds per step of a collective")
     add("--hbm_gbs", type=number, default=0, help="GPU memory GB/s, for the optimizer's passes (0: the GPU's)")
-    add("--mtbf_hours", type=above(0).parse(float), default=8192.0, help="mean hours between failures of one GPU, with "
-        "its share of host, network and software (8192: one every 4 hours on 2,048 GPUs, as the modelled run saw)")
-    add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand: the no-step "
-        "alert, then someone drains the node, swaps in a spare, relaunches")
-    add("--restart_minutes", type=number, default=5.0, help="minutes a restart takes besides reading the checkpoint: "
-        "processes, rendezvous, NCCL, torch.compile (launch to first step in a run's log)")
-    add("--storage_gbs", type=above(0).parse(float), default=2.0,
-        help="GB/s each GPU writes and reads checkpoints at: the storage's rate / GPUs (2: 16 GB/s per node of 8)")
+    add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
+        help="mean hours between failures of one GPU with its share of host, network, software (8192: 4 h on 2,048)")
+    add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand")
+    add("--restart_minutes", type=number, default=5.0, help="minutes from a launch to the first step, less the read")
+    add("--storage_gbs", type=above(0).parse(float), default=2.0, help="GB/s per GPU to write and read checkpoints")
     add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
         help="also list the five fastest layouts that fit (--search=false: skip)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
