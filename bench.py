@@ -45,10 +45,8 @@ import train
 from parallel import say
 from model import POSITIVE, PRESETS, FeedForward, MoE, above, at_least, grouped_mm_supported, meta_model, suggest
 
-COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert "
-                   "parallel).",
-            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM on the same config (forward, backward, "
-                     "clipping, AdamW), timed alternately.",
+COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM, per-expert loop, dense SwiGLU, expert parallel.",
+            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM, same config and work, timed alternately.",
             "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text."}
 
 # --- Timing, memory and synthetic data
@@ -142,8 +140,7 @@ def moe_targets(moe: MoE) -> list:
 
 
 def model_targets(model, blocks: bool = True) -> list:
-    # The fused head and cross-entropy (model.head_loss) are one component; compiled blocks, fused graphs, are not
-    # wrapped: their work lands in the model's own range.
+    # The fused head and loss (head_loss) are one component; compiled blocks (fused graphs) land in the model's range.
     targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
                (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
                (model, "head_loss", "output head, cross-entropy")]
@@ -414,8 +411,7 @@ def describe_kernels(changes: dict) -> str:
 
 def compare(old: dict, new: dict, tolerance: float) -> dict:
     """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
-    noise band (half of each run's interquartile range, added) and `tolerance`. A component that moved so (its share of
-    the profiled step, times the step) is named with its kernels that changed."""
+    noise band (half of each run's interquartile range, added) and `tolerance`; a component that moved so is named."""
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
@@ -801,9 +797,8 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
             "slower, 3: the numbers moved, 4: both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown (a fraction) accepted when the noise is smaller")
-        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
-            help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' numbers that counts as "
-                 f"moved (0: 1e-4 in fp32, 1e-2 in bf16)")
+        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0, help=f"with --compare: the relative "
+            f"change of the first {NUMERICS_STEPS} steps' numbers that counts as moved (0: 1e-4 in fp32, 1e-2 in bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, slow at large shapes)")

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: ok(value, settings), and the words that say so, which may name other fields
-    ("a multiple of n_kv_heads={n_kv_heads}")."""
+    """ok(value, settings) and the words saying so, which may name fields ("a multiple of n_kv_heads={n_kv_heads}")."""
     ok: Callable
     words: str
     choices: tuple = ()
@@ -279,9 +278,8 @@ def _warn_once(message: str):
 
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
               flex: bool | None = None):
-    """Causal, within `window` if given, within one document if given: a flex BlockMask when `flex` (default: on
-    CUDA, as flex attention has no CPU backward), else the same rule as a boolean [B or 1, 1, T, T] mask (True =
-    attend), or None when plain causal attention is exact."""
+    """Causal, within `window` and one document if given: a flex BlockMask when `flex` (default: on CUDA; flex
+    attention has no CPU backward), else a boolean [B or 1, 1, T, T] mask (True = attend), or None for plain causal."""
     def mask_mod(b, h, q, kv):
         keep = q >= kv
         if window is not None:
@@ -315,8 +313,7 @@ def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm, RoPE on local layers only (global layers are NoPE) and an elementwise
-    sigmoid output gate: o = o_proj(attn * sigmoid(gate_proj(x)))."""
+    """GQA, per-head q/k RMSNorm, RoPE on local layers only (global: NoPE): o = o_proj(attn * sigmoid(gate_proj(x)))."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -409,9 +406,8 @@ ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers e
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
-    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
-    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto": rows when
-    decoding a few sequences on CPU, else grouped where it runs, else loop."""
+    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" GEMM, "loop" (a matmul
+    per expert: the reference), "rows" (a bmm of gathered weights) or "auto": rows decoding on CPU, grouped, loop."""
     if impl == "auto":
         # On CPU grouped_mm runs expert after expert: for a handful of rows gathering each row's weights pays (tiny,
         # 256 experts: decoding 1 sequence 29% faster, 4 sequences 8%; 8 sequences, 32 rows, 14% slower).
@@ -445,8 +441,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert: parallel.py's expert-parallel path runs the
-    same expert_ffn on its local weights."""
+    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert (parallel.py's EP: expert_ffn on its share)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -481,8 +476,7 @@ def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class ForwardStats:
-    """What one forward measured besides its loss: what all MoE layers' routers did (both losses already times their
-    coefficients) and each sequence's loss."""
+    """Besides the loss: all MoE routers' counts and losses (times their coefficients), and each sequence's loss."""
     counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
     aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
     z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
@@ -681,8 +675,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """(mean loss, each row's loss [N] without a gradient). Keeps head_cross_entropy's gradients ([N, D], [V, D]), never
-    an [N, V] tensor; backward scales them in place."""
+    """(mean loss, each row's loss [N] without a gradient); keeps head_cross_entropy's dh, dW, scaled in backward."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
@@ -736,9 +729,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, draw=None):
-        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias.
-        Works shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each init in place, in a fixed
-        order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
+        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias;
+        shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each in place, in a fixed order."""
         draw = draw or (lambda tensor, init: init(tensor))
         std = self.cfg.init_std
         normal = lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std)  # noqa: E731
@@ -787,8 +779,7 @@ class Transformer(nn.Module):
         return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
     def head_loss(self, h_BTD, targets_BT):
-        """(The mean cross-entropy of head(h) against targets (-100 ignored), each sequence's [B] without a gradient),
-        without ever holding the logits."""
+        """(The mean cross-entropy of head(h), -100 ignored; each sequence's [B], no gradient), holding no logits."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):

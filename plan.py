@@ -264,8 +264,7 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
-    optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks: dense
-    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp."""
+    optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks."""
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
@@ -300,12 +299,11 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
 
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
     """Plan `p`'s FLOPs per token and collectives by unit, their bytes per optimizer step, the optimizer's work."""
-    layout = p["layout"]
     accum = p["accumulation_steps"]
     tokens = p["micro_batch"] * p["seq"]
     root = (full["root"], 0)
     blocks = list(zip(full["blocks"], full["experts"]))
-    made = {key: unit_collectives(cfg, layout, links, p["groups"], c, tokens, *key)
+    made = {key: unit_collectives(cfg, p["layout"], links, p["groups"], c, tokens, *key)
             for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
     attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
     units = [{**made[root], "flops": 0}] + [
@@ -571,11 +569,10 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
 
 
 def print_failures(f: dict, t: dict, args):
-    gib = 2**30
     hours = f["mtbf_hours_job"]
     print(f"failures: one every {hours:.3g} h on {args.gpus} GPUs ({f['mtbf_hours_per_gpu']:,.0f} GPU-hours each); a "
-          f"checkpoint writes {f['checkpoint_write_bytes'] / gib:.2f} GiB per GPU in {f['checkpoint_write_s']:.3g} s "
-          f"at {args.storage_gbs:g} GB/s, a restart reads {f['checkpoint_read_bytes'] / gib:.1f} GiB per GPU in "
+          f"checkpoint writes {f['checkpoint_write_bytes'] / 2**30:.2f} GiB per GPU in {f['checkpoint_write_s']:.3g} s "
+          f"at {args.storage_gbs:g} GB/s, a restart reads {f['checkpoint_read_bytes'] / 2**30:.1f} GiB per GPU in "
           f"{f['checkpoint_read_s']:.3g} s")
     minutes = {way: f"{s / 60:.1f} min" for way, s in f["downtime_s"].items()}
     print(f"  down per failure: {minutes['by hand']} restarted by hand ({args.repair_minutes:g} min to repair, then "
