@@ -61,8 +61,7 @@ def one_of(*choices) -> Rule:
 
 
 def option(default, help: str, rule: Rule | None = None, parse: Callable | None = None):
-    """A settings field: default, help (plus a one_of rule's choices), rule and, where its text is more than its
-    type's (dp_replicate's "auto"), the function that reads it."""
+    """A settings field: default, help (plus one_of's choices), rule and, if text is more than its type, its parser."""
     if rule is not None and rule.choices:
         help = f"{help}: {' | '.join(map(str, rule.choices))}"
     return field(default=default, metadata={"help": help, "rule": rule, "parse": parse})
@@ -382,8 +381,7 @@ class FeedForward(nn.Module):
 
 # --- Mixture of experts
 
-# torch 2.11 may only have the private name. grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs
-# fp32: compiled fp32 runs it eagerly.
+# torch 2.11 may only have the private name. Its fake kernel takes only bf16 (the CPU one fp32 too): fp32 runs eager.
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _grouped_mm_eager = torch.compiler.disable(_grouped_mm) if _grouped_mm else None
 

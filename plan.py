@@ -148,8 +148,7 @@ def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool
         memory["every unit gathered (compute copies)"] = c * every
     else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
         memory["FSDP all-gather buffers (compute copies)"] = c * (full["root"] + 2 * largest)
-    # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter (train.py
-    # reduce-scatters every micro-batch, so no unsharded gradients are held between them).
+    # Backward: a unit's gradients in compute dtype and their fp32 copy to reduce-scatter (each micro-batch: none kept).
     memory["FSDP reduce-scatter buffers"] = (c + 4) * max(full["root"], largest)
     return memory
 
