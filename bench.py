@@ -12,10 +12,9 @@ flags) on synthetic tokens; training never imports it. Planning a cluster run is
     python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
     python bench.py data --workers 1 2                   # data.py's tokens/s per core vs tiktoken's batch encoder
 
-`--compare` exits 0 when nothing moved, 1 when the step is slower, 3 when the numbers moved (the first training steps'
-loss, gradient norm or a layer's weights, beyond --numerics_tolerance), 4 when both; 2 for bad input.
-On a shared machine compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu`
-(two threads on two busy cores can run 100x slower).
+`--compare` exits 0: nothing moved, 1: slower, 3: the numbers moved, 4: both, 2: bad input. On a shared machine
+compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy
+cores can run 100x slower).
 """
 
 import argparse
@@ -46,10 +45,8 @@ import train
 from parallel import say
 from model import POSITIVE, PRESETS, FeedForward, MoE, above, at_least, grouped_mm_supported, meta_model, suggest
 
-COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM vs per-expert loop vs dense SwiGLU (and expert "
-                   "parallel).",
-            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM on the same config (forward, backward, "
-                     "clipping, AdamW), timed alternately.",
+COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM, per-expert loop, dense SwiGLU, expert parallel.",
+            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM, same config and work, timed alternately.",
             "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text."}
 
 # --- Timing, memory and synthetic data
@@ -143,8 +140,7 @@ def moe_targets(moe: MoE) -> list:
 
 
 def model_targets(model, blocks: bool = True) -> list:
-    # The fused head and cross-entropy (model.head_loss) are one component; compiled blocks, fused graphs, are not
-    # wrapped: their work lands in the model's own range.
+    # The fused head and loss (head_loss) are one component; compiled blocks (fused graphs) land in the model's range.
     targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
                (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
                (model, "head_loss", "output head, cross-entropy")]
@@ -188,18 +184,15 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
             e = e.cpu_parent
         return "other" if e is None else e.name[len(PHASE):]
 
-    resolved = []
+    table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
+    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    phases = defaultdict(float)
     forward_of = {}
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # a node's forward op before its backward
         label, where = owner(e)
         if label is not None and e.sequence_nr >= 0:
             # Ops that make no autograd node record the next sequence number too; the last to record it made it.
             forward_of[(e.thread, e.sequence_nr)] = label
-        resolved.append((e, label, where))
-    table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
-    phases = defaultdict(float)
-    for e, label, where in resolved:
         if on_device and e.device_type != DeviceType.CPU:
             continue  # a kernel: its time is already in the self device time of the CPU op that launched it
         ms = self_us(e) / 1e3 / steps
@@ -418,8 +411,7 @@ def describe_kernels(changes: dict) -> str:
 
 def compare(old: dict, new: dict, tolerance: float) -> dict:
     """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
-    noise band (half of each run's interquartile range, added) and `tolerance`. A component that moved so (its share of
-    the profiled step, times the step) is named with its kernels that changed."""
+    noise band (half of each run's interquartile range, added) and `tolerance`; a component that moved so is named."""
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
@@ -805,9 +797,8 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
             "slower, 3: the numbers moved, 4: both")
         add("--tolerance", type=at_least(0).parse(float), default=0.05,
             help="with --compare: the step slowdown (a fraction) accepted when the noise is smaller")
-        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
-            help=f"with --compare: the relative change of the first {NUMERICS_STEPS} steps' numbers that counts as "
-                 f"moved (0: 1e-4 in fp32, 1e-2 in bf16)")
+        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0, help=f"with --compare: the relative "
+            f"change of the first {NUMERICS_STEPS} steps' numbers that counts as moved (0: 1e-4 in fp32, 1e-2 in bf16)")
     if command == "moe":
         add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
         switch("--loop", help="also time the per-expert loop (--loop=false: skip it, slow at large shapes)")

@@ -28,13 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
+# --- Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting's value must be: ok(value, settings), and the words that say so, which may name other fields
-    ("a multiple of n_kv_heads={n_kv_heads}")."""
+    """ok(value, settings) and the words saying so, which may name fields ("a multiple of n_kv_heads={n_kv_heads}")."""
     ok: Callable
     words: str
     choices: tuple = ()
@@ -63,8 +61,7 @@ def one_of(*choices) -> Rule:
 
 
 def option(default, help: str, rule: Rule | None = None, parse: Callable | None = None):
-    """A settings field: default, help (plus a one_of rule's choices), rule and, where its text is more than its
-    type's (dp_replicate's "auto"), the function that reads it."""
+    """A settings field: default, help (plus one_of's choices), rule and, if text is more than its type, its parser."""
     if rule is not None and rule.choices:
         help = f"{help}: {' | '.join(map(str, rule.choices))}"
     return field(default=default, metadata={"help": help, "rule": rule, "parse": parse})
@@ -106,8 +103,7 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for every command line here: refuses an unknown flag naming the one it most likely means (aliases:
-    other programs' names for its flags)."""
+    """argparse refusing an unknown flag by naming the likeliest one (aliases: other programs' names for flags)."""
     aliases: dict = {}
 
     def error(self, message):
@@ -219,8 +215,7 @@ def pad_vocab(n_tokens: int) -> int:
     return -(-n_tokens // 128) * 128
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Building blocks
+# --- Building blocks
 
 class _RMSNorm(torch.autograd.Function):
     """weight * x / rms(x), saving x and one scalar per row: about half the passes over x of autograd's backward."""
@@ -282,9 +277,8 @@ def _warn_once(message: str):
 
 def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
               flex: bool | None = None):
-    """Causal, within `window` if given, within one document if given: a flex BlockMask when `flex` (default: on
-    CUDA, as flex attention has no CPU backward), else the same rule as a boolean [B or 1, 1, T, T] mask (True =
-    attend), or None when plain causal attention is exact."""
+    """Causal, within `window` and one document if given: a flex BlockMask when `flex` (default: on CUDA; flex
+    attention has no CPU backward), else a boolean [B or 1, 1, T, T] mask (True = attend), or None for plain causal."""
     def mask_mod(b, h, q, kv):
         keep = q >= kv
         if window is not None:
@@ -318,8 +312,7 @@ def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm, RoPE on local layers only (global layers are NoPE) and an elementwise
-    sigmoid output gate: o = o_proj(attn * sigmoid(gate_proj(x)))."""
+    """GQA, per-head q/k RMSNorm, RoPE on local layers only (global: NoPE): o = o_proj(attn * sigmoid(gate_proj(x)))."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -386,11 +379,9 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Mixture of experts
+# --- Mixture of experts
 
-# torch 2.11 may only have the private name. grouped_mm's fake kernel takes only bf16 while the CPU kernel also runs
-# fp32: compiled fp32 runs it eagerly.
+# torch 2.11 may only have the private name. Its fake kernel takes only bf16 (the CPU one fp32 too): fp32 runs eager.
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _grouped_mm_eager = torch.compiler.disable(_grouped_mm) if _grouped_mm else None
 
@@ -413,9 +404,8 @@ ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers e
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
-    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" (grouped GEMM), "loop"
-    (one matmul per expert, the reference), "rows" (one bmm of each row's gathered weights) or "auto": rows when
-    decoding a few sequences on CPU, else grouped where it runs, else loop."""
+    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" GEMM, "loop" (a matmul
+    per expert: the reference), "rows" (a bmm of gathered weights) or "auto": rows decoding on CPU, grouped, loop."""
     if impl == "auto":
         # On CPU grouped_mm runs expert after expert: for a handful of rows gathering each row's weights pays (tiny,
         # 256 experts: decoding 1 sequence 29% faster, 4 sequences 8%; 8 sequences, 32 rows, 14% slower).
@@ -449,8 +439,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert: parallel.py's expert-parallel path runs the
-    same expert_ffn on its local weights."""
+    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert (parallel.py's EP: expert_ffn on its share)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -485,8 +474,7 @@ def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class ForwardStats:
-    """What one forward measured besides its loss: what all MoE layers' routers did (both losses already times their
-    coefficients) and each sequence's loss."""
+    """Besides the loss: all MoE routers' counts and losses (times their coefficients), and each sequence's loss."""
     counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
     aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
     z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
@@ -578,8 +566,7 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
         bias_E += delta_E - delta_E.mean()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The output head fused with the loss
+# --- The output head fused with the loss
 
 # Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache is faster than all rows.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
@@ -640,42 +627,41 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
             dh_ND = torch.empty_like(h_ND)
             dweight_VD = torch.zeros(V, D, dtype=torch.float32, device=device)
             h_valid_ND = h_ND * valid_N1
-        if not fp32:  # rounding matmuls
+        if fp32:
+            exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
+            shifted = False
+        else:  # rounding matmuls
             fused = compiled(lse_and_grad) if device.type == "cuda" else lse_and_grad
             g_GV = torch.empty(min(group, N), V, dtype=mm_dtype, device=device) if grads else None
-            for start in range(0, N, rows):
-                end = min(start + rows, N)
-                t = targets_N1[start:end]
-                logits_CV = h_ND[start:end] @ weight_VD.t()
+        for start in range(0, N, rows):
+            end = min(start + rows, N)
+            h = h_ND[start:end]
+            t = targets_N1[start:end]
+            if not fp32:
+                logits_CV = h @ weight_VD.t()
                 picked_N1[start:end] = logits_CV.gather(1, t)
                 first = start - start % group
                 lse_N1[start:end] = fused(logits_CV, t, g_GV[start - first:end - first] if grads else None)
                 if grads and (end % group == 0 or end == N):
                     torch.mm(g_GV[:end - first], weight_VD, out=dh_ND[first:end])
                     dweight_VD += g_GV[:end - first].t() @ h_valid_ND[first:end]
-        else:
-            exp_CV = torch.empty(min(rows, N), V, dtype=torch.float32, device=device)  # one buffer for every chunk
-            shifted = False
-            for start in range(0, N, rows):
-                end = min(start + rows, N)
-                e = exp_CV[:end - start]
-                h = h_ND[start:end]
-                t = targets_N1[start:end]
-                torch.mm(h, weight_VD.t(), out=e)
-                torch.gather(e, 1, t, out=picked_N1[start:end])
-                shift = 0.0
-                if not shifted:
-                    s = e.exp_().sum(-1, keepdim=True)
-                    shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
-                    if shifted:
-                        torch.mm(h, weight_VD.t(), out=e)
+                continue
+            e = exp_CV[:end - start]
+            torch.mm(h, weight_VD.t(), out=e)
+            torch.gather(e, 1, t, out=picked_N1[start:end])
+            shift = 0.0
+            if not shifted:
+                s = e.exp_().sum(-1, keepdim=True)
+                shifted = not bool(((s >= UNSHIFTED_SUM_RANGE[0]) & (s <= UNSHIFTED_SUM_RANGE[1])).all())
                 if shifted:
-                    shift = e.amax(-1, keepdim=True)
-                    s = e.sub_(shift).exp_().sum(-1, keepdim=True)
-                torch.add(s.log(), shift, out=lse_N1[start:end])
-                if grads:  # the one-hot's share after the loop
-                    torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
-                    dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
+                    torch.mm(h, weight_VD.t(), out=e)
+            if shifted:
+                shift = e.amax(-1, keepdim=True)
+                s = e.sub_(shift).exp_().sum(-1, keepdim=True)
+            torch.add(s.log(), shift, out=lse_N1[start:end])
+            if grads:  # the one-hot's share after the loop
+                torch.mm(e, weight_VD, out=dh_ND[start:end]).div_(s)
+                dweight_VD.addmm_(e.t(), h_valid_ND[start:end] / s)
         n_valid = valid_N1.sum()
         loss_N = torch.where(valid_N1, lse_N1 - picked_N1, 0.0).squeeze(1)
     if not grads:
@@ -687,8 +673,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """(mean loss, each row's loss [N] without a gradient). Keeps head_cross_entropy's gradients ([N, D], [V, D]), never
-    an [N, V] tensor; backward scales them in place."""
+    """(mean loss, each row's loss [N] without a gradient); keeps head_cross_entropy's dh, dW, scaled in backward."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
@@ -705,8 +690,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return dh_ND.mul_(scale).to(ctx.dtypes[0]), dweight_VD.mul_(scale).to(ctx.dtypes[1]), None
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The transformer
+# --- The transformer
 
 class Block(nn.Module):
     """Sandwich norms around both sub-blocks: x = x + post_norm(f(pre_norm(x))), post gains start at 1/sqrt(L)."""
@@ -743,9 +727,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, draw=None):
-        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias.
-        Works shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each init in place, in a fixed
-        order (parallel.py passes one that draws a sharded tensor whole on CPU)."""
+        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias;
+        shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each in place, in a fixed order."""
         draw = draw or (lambda tensor, init: init(tensor))
         std = self.cfg.init_std
         normal = lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std)  # noqa: E731
@@ -794,8 +777,7 @@ class Transformer(nn.Module):
         return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
     def head_loss(self, h_BTD, targets_BT):
-        """(The mean cross-entropy of head(h) against targets (-100 ignored), each sequence's [B] without a gradient),
-        without ever holding the logits."""
+        """(The mean cross-entropy of head(h), -100 ignored; each sequence's [B], no gradient), holding no logits."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):

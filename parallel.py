@@ -47,8 +47,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Process group
+# --- Process group
 
 def host_memory_available() -> int | None:
     """What new allocations can take without swapping (the kernel's MemAvailable), in bytes; None without /proc."""
@@ -83,9 +82,8 @@ def use_cuda() -> bool:
 
 
 def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: NCCL on CUDA (one GPU per LOCAL_RANK), gloo on CPU, with a
-    collective timeout so a hung rank fails loudly, over the first `used` ranks (default: all launched); the others
-    stand by and never return (standby). Without torchrun: one process, no process group."""
+    """(rank, world size, device). Under torchrun: NCCL on CUDA (a GPU per LOCAL_RANK) or gloo, a collective timeout
+    failing a hung rank loudly, over the first `used` ranks (default: all; the others stand by). Else one process."""
     cuda = use_cuda()
     if not cuda:
         # glibc hands every freed block over 32 MiB back to the OS, which zero-fills it afresh at the next step (a
@@ -96,8 +94,7 @@ def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-        # A worker whose launcher dies (killed, out of memory) would train on beside the job relaunched in its place:
-        # the kernel kills it with its launcher instead (PR_SET_PDEATHSIG), before it writes anything more.
+        # A worker outliving its launcher would train beside the relaunched job: PR_SET_PDEATHSIG kills it with it.
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
         if os.getppid() == 1:  # the launcher died before the line above
             os._exit(1)
@@ -165,9 +162,8 @@ def standby(rank: int, world: int, used: int):
 
 
 def finish(code: int) -> int:
-    """End a finished run: collect the reference cycles that hold process groups while the interpreter is whole, and
-    leave a torchrun worker without interpreter shutdown (where gloo's leftovers can abort a run that succeeded).
-    Standing-by ranks end with it."""
+    """Collect the reference cycles holding process groups while the interpreter is whole; leave a torchrun worker
+    without interpreter shutdown (gloo's leftovers can abort a run that succeeded). Standing-by ranks end with it."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -201,8 +197,7 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Layout and mesh
+# --- Layout and mesh
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -218,8 +213,7 @@ class Layout:
     @classmethod
     def following(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
         """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks (0: launched /
-        dp_replicate). dp_replicate=0 (auto) makes as many replicas as fit, so that the layout follows the world an
-        elastic job restarts with; the ranks left over stand by."""
+        dp_replicate). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the rest stand by."""
         if dp_replicate == 0:
             if dp_shard == 0:
                 raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
@@ -325,8 +319,7 @@ def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
         return mesh[names]
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
+# --- The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
 
 class ExpertParallelExperts(GroupedExperts):
     """The E/ep experts of this EP rank; forward sends each token to its expert's rank and back. The weights are
@@ -346,16 +339,15 @@ class ExpertParallelExperts(GroupedExperts):
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     def forward(self, x_MD, counts_E, scale_M):
-        group = self.ep_mesh
         ep = self.ep_mesh.size()
         # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
         # recv_counts_PL is what peer p sends us, one count per local expert.
         send_counts_PL = counts_E.view(ep, -1)
-        recv_counts_PL = funcol.all_to_all_single(send_counts_PL.flatten(), None, None, group).view(ep, -1)
+        recv_counts_PL = funcol.all_to_all_single(send_counts_PL.flatten(), None, None, self.ep_mesh).view(ep, -1)
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
         # Then the tokens, in uneven splits (the backward is the reverse all-to-all).
-        x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
-        scale_R = funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits, group)
+        x_RD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, self.ep_mesh)
+        scale_R = funcol.all_to_all_single_autograd(scale_M, recv_splits, send_splits, self.ep_mesh)
         # They arrive grouped by (peer, local expert); expert_ffn wants them grouped by local expert.
         L = recv_counts_PL.shape[1]
         expert_R = torch.arange(L, device=x_MD.device).repeat(ep).repeat_interleave(
@@ -364,7 +356,7 @@ class ExpertParallelExperts(GroupedExperts):
         y_RD = expert_ffn(x_RD.index_select(0, order_R), recv_counts_PL.sum(0), self.gate_up_proj.to_local(),
                           self.down_proj.to_local(), self.impl, scale_R.index_select(0, order_R))
         y_RD = torch.zeros_like(y_RD).index_copy(0, order_R, y_RD)  # back to arrival order, then to the senders
-        return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, group)
+        return funcol.all_to_all_single_autograd(y_RD, send_splits, recv_splits, self.ep_mesh)
 
 
 def apply_ep(model: Transformer, mesh: DeviceMesh):
@@ -403,8 +395,7 @@ def _ops(*names: str) -> set:
     return found
 
 
-# Selective AC keeps what is expensive to recompute: matmul outputs (attention kernels included) and the EP
-# all-to-all outputs, so that recomputation issues no collective.
+# Selective AC keeps matmul outputs (attention kernels too) and the EP all-to-all's, so recompute issues no collective.
 _SAC_SAVE = _ops(*(f"aten.{op}.default" for op in (
     "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention")),
@@ -436,8 +427,7 @@ def apply_ac(model: Transformer, mode: str):
 def apply_compile(model: Transformer, backend: str = "inductor"):
     """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
     all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
-    # One Block.forward serves every layer: dynamo compiles it per kind of block, grad mode and batch shape, more
-    # variants than its default limit of 8, past which the rest would run eagerly.
+    # Block.forward compiles per block kind, grad mode and shape: past dynamo's default 8 variants the rest run eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers.values():
         block.compile(backend=backend)
@@ -453,17 +443,17 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
 
 
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
-                ac: str = "none", compile: bool | str = False, param_dtype: torch.dtype | None = None,
+                ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1) -> Transformer:
     """Build on meta, then EP, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
     mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of them cannot fit,
-    and initialise them from `seed`, the same weights whatever the layout. `compile`: True (inductor) or a backend."""
+    and initialise them from `seed`, the same weights whatever the layout."""
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
     apply_ac(model, ac)
     if compile:
-        apply_compile(model, "inductor" if compile is True else compile)
+        apply_compile(model)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype)
     if device.type == "cpu":
@@ -477,8 +467,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     return model
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
+# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -519,8 +508,7 @@ def newton_schulz(u_XOF: torch.Tensor) -> torch.Tensor:
 
 
 def deal(sizes: list[int], ranks: int) -> list[list[int]]:
-    """Which of `sizes` each rank takes: largest first, each to the least loaded rank (the lowest on ties), so every
-    rank's share is within one item of the mean."""
+    """Which of `sizes` each rank takes: largest first, to the least loaded (lowest on ties): all within one item."""
     load = [0] * ranks
     owned = [[] for _ in range(ranks)]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):

@@ -148,8 +148,7 @@ def fsdp_memory(world: int, params: int, full: dict, c: int, keep_gathered: bool
         memory["every unit gathered (compute copies)"] = c * every
     else:  # FSDP2 keeps the root unsharded from forward to backward; a block gathered while the next is prefetched
         memory["FSDP all-gather buffers (compute copies)"] = c * (full["root"] + 2 * largest)
-    # Backward: a unit's unsharded gradients in compute dtype plus their fp32 copy for the reduce-scatter (train.py
-    # reduce-scatters every micro-batch, so no unsharded gradients are held between them).
+    # Backward: a unit's gradients in compute dtype and their fp32 copy to reduce-scatter (each micro-batch: none kept).
     memory["FSDP reduce-scatter buffers"] = (c + 4) * max(full["root"], largest)
     return memory
 
@@ -264,8 +263,7 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
-    optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks: dense
-    parameters sharded over dp_shard, routed experts (E/ep per EP rank) over efsdp."""
+    optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks."""
     layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
@@ -300,12 +298,11 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
 
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
     """Plan `p`'s FLOPs per token and collectives by unit, their bytes per optimizer step, the optimizer's work."""
-    layout = p["layout"]
     accum = p["accumulation_steps"]
     tokens = p["micro_batch"] * p["seq"]
     root = (full["root"], 0)
     blocks = list(zip(full["blocks"], full["experts"]))
-    made = {key: unit_collectives(cfg, layout, links, p["groups"], c, tokens, *key)
+    made = {key: unit_collectives(cfg, p["layout"], links, p["groups"], c, tokens, *key)
             for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
     attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
     units = [{**made[root], "flops": 0}] + [
@@ -571,11 +568,10 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
 
 
 def print_failures(f: dict, t: dict, args):
-    gib = 2**30
     hours = f["mtbf_hours_job"]
     print(f"failures: one every {hours:.3g} h on {args.gpus} GPUs ({f['mtbf_hours_per_gpu']:,.0f} GPU-hours each); a "
-          f"checkpoint writes {f['checkpoint_write_bytes'] / gib:.2f} GiB per GPU in {f['checkpoint_write_s']:.3g} s "
-          f"at {args.storage_gbs:g} GB/s, a restart reads {f['checkpoint_read_bytes'] / gib:.1f} GiB per GPU in "
+          f"checkpoint writes {f['checkpoint_write_bytes'] / 2**30:.2f} GiB per GPU in {f['checkpoint_write_s']:.3g} s "
+          f"at {args.storage_gbs:g} GB/s, a restart reads {f['checkpoint_read_bytes'] / 2**30:.1f} GiB per GPU in "
           f"{f['checkpoint_read_s']:.3g} s")
     minutes = {way: f"{s / 60:.1f} min" for way, s in f["downtime_s"].items()}
     print(f"  down per failure: {minutes['by hand']} restarted by hand ({args.repair_minutes:g} min to repair, then "
@@ -685,14 +681,11 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--net_gbs", type=number, default=0, help="network GB/s per GPU each way (0: the GPU's)")
     add("--latency_us", type=number, default=5.0, help="microseconds per step of a collective")
     add("--hbm_gbs", type=number, default=0, help="GPU memory GB/s, for the optimizer's passes (0: the GPU's)")
-    add("--mtbf_hours", type=above(0).parse(float), default=8192.0, help="mean hours between failures of one GPU, with "
-        "its share of host, network and software (8192: one every 4 hours on 2,048 GPUs, as the modelled run saw)")
-    add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand: the no-step "
-        "alert, then someone drains the node, swaps in a spare, relaunches")
-    add("--restart_minutes", type=number, default=5.0, help="minutes a restart takes besides reading the checkpoint: "
-        "processes, rendezvous, NCCL, torch.compile (launch to first step in a run's log)")
-    add("--storage_gbs", type=above(0).parse(float), default=2.0,
-        help="GB/s each GPU writes and reads checkpoints at: the storage's rate / GPUs (2: 16 GB/s per node of 8)")
+    add("--mtbf_hours", type=above(0).parse(float), default=8192.0,
+        help="mean hours between failures of one GPU with its share of host, network, software (8192: 4 h on 2,048)")
+    add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand")
+    add("--restart_minutes", type=number, default=5.0, help="minutes from a launch to the first step, less the read")
+    add("--storage_gbs", type=above(0).parse(float), default=2.0, help="GB/s per GPU to write and read checkpoints")
     add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
         help="also list the five fastest layouts that fit (--search=false: skip)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
