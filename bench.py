@@ -100,9 +100,9 @@ def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int,
 
 
 def model_config(tc: train.TrainConfig, overrides: dict):
-    """train.model_config with the preset's vocabulary instead of a tokenizer's (--vocab_size overrides it)."""
-    overrides = dict(overrides)
-    return train.model_config(tc, overrides, overrides.pop("vocab_size", PRESETS[tc.preset].vocab_size))
+    """train.model_config with the preset's vocabulary instead of a tokenizer's; --vocab_size overrides it, unpadded,
+    as in train.py."""
+    return train.model_config(tc, overrides, PRESETS[tc.preset].vocab_size)
 
 
 def max_over_ranks(value: float) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 import bench
 import parallel
+import train
 from conftest import TINY_MODEL_FLAGS
 
 
@@ -73,6 +74,13 @@ def test_training_step_without_micro_batch_takes_the_rank_s_whole_share(capsys):
                                   "--global_batch=4", "--warmup=0", "--iters=1", "--threads=1", "--breakdown=false",
                                   "--json"])
     assert code == 0 and out["config"]["micro_batch"] == 4
+
+
+def test_model_flags_mean_in_bench_what_they_mean_in_train():
+    """--vocab_size=1000 is a 1000-row vocabulary in both (train.py pads only a tokenizer's vocabulary)."""
+    tc, overrides = train.parse_args(["--preset=tiny", "--vocab_size=1000", "--n_layers=2"])
+    assert bench.model_config(tc, overrides) == train.model_config(tc, overrides, 100277)
+    assert bench.model_config(tc, overrides).vocab_size == 1000
 
 
 # ------------------------------------------------------------------------------------------------------------------
