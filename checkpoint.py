@@ -766,8 +766,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
+    if unknown:  # a flag: named as the subcommand's closest; an extra argument: refused as argparse would
         refuse_unknown(parser, unknown, sub.choices[args.command])
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)
