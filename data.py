@@ -877,16 +877,16 @@ class Mixture:
             _require(start in (0, None) if not phases else start is not None and start > phases[-1][0],
                      f"--data={spec}: phase {len(phases) + 1} ({text.strip()!r}) must {rule}; {example}")
             weights = {}
-            for item in (step[2] if step else text).split(","):
-                path, _, weight = item.strip().rpartition(":")
+            for item in map(str.strip, (step[2] if step else text).split(",")):
+                path, _, weight = item.rpartition(":")
                 try:
                     weight = float(weight)
                 except ValueError:  # no weight: the whole item is the path
-                    path = item.strip()
+                    path = item
                     weight = 1.0
                 _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,
-                         f"--data={spec}: {item.strip()!r} should be a source named once per phase, with a weight of "
-                         f"0 or more; {example}")
+                         f"--data={spec}: {item!r} should be a source named once per phase, with a weight of 0 or "
+                         f"more; {example}")
                 weights[os.path.normpath(path)] = weight
             _require(sum(weights.values()) > 0, f"--data={spec}: the weights of phase {len(phases) + 1} are all 0; "
                      f"give one source a positive weight")
