@@ -1,11 +1,8 @@
 """
 Checkpoints: save and resume training on any number of ranks, and convert to and from Hugging Face's `afmoe`.
 
-Each rank writes its shards of the model, optimizer and train state's tensors with torch.distributed.checkpoint
-(DCP), keyed by parameter name so any layout reads them back; the rest is JSON, and .metadata is unpickled through an
-allow-list (loading runs no code). No RNG state is saved: training draws no random number after initialisation. A
-save goes to step_N.tmp, renamed step_N once COMPLETE is written (a killed save leaves the previous checkpoint the
-newest); each file's sha256, taken as it is written, lets a load refuse changed bytes.
+Each rank writes its shards of the tensors with torch.distributed.checkpoint (DCP), keyed by parameter name so any
+layout reads them back; the rest is JSON. No RNG state is saved: training draws no random number after initialisation.
 
     ckpt_root/step_00000010/  .metadata, __0_0.distcp, ...  the tensors (DCP, one data file per rank)
                               config.json, state.json       training config; step, world size, "train", optimizer
@@ -149,9 +146,8 @@ def _together(world: int, errors: tuple = (OSError,)):
         raise next(f for f in failures if f)
 
 
-# DCP pickles .metadata, and pickle.load would call whatever a crafted file names. Its metadata is made of these
-# globals only (its dataclasses, torch's Size, layouts and dtypes, the path it was written to); any other makes the
-# file unreadable: the checkpoint is damaged, nothing more.
+# DCP pickles .metadata, and pickle.load would call whatever a crafted file names: loading runs no code, as its metadata
+# holds these globals only (its dataclasses, torch's Size, layouts and dtypes, its path); any other damages the file.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                               "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
@@ -322,13 +318,9 @@ def _no_space(folder: str, code: int | None, needed: int) -> str | None:
     return None
 
 
-def _step_dir(ckpt_root: str, step: int) -> str:
-    return os.path.join(ckpt_root, f"step_{step:08d}")
-
-
 def abandon(ckpt_root: str, step: int) -> str:
     """Give up the save of `step` (a second Ctrl-C): rank 0 removes its partial folder, which it returns."""
-    tmp = _step_dir(ckpt_root, step) + ".tmp"
+    tmp = os.path.join(ckpt_root, f"step_{step:08d}.tmp")
     if rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     return tmp
@@ -373,7 +365,7 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
 
-    final = _step_dir(ckpt_root, step)
+    final = os.path.join(ckpt_root, f"step_{step:08d}")
     data.write_durably(os.path.join(final + ".tmp", CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
     data.write_durably(os.path.join(final + ".tmp", MARKER), f"{step}\n")
     shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step, if any
@@ -391,8 +383,7 @@ def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
 
 @dataclass
 class PendingSave:
-    """A save being written (in the background if asynchronous). Its owner calls wait() on every rank before the next
-    save, which completes it or raises SaveFailed, once; or abandon(ckpt_root, step)."""
+    """A save being written (in the background if async): wait() on every rank completes it or raises SaveFailed."""
     ckpt_root: str
     step: int
     keep: int
@@ -469,9 +460,8 @@ def _check_config(path: str, saved_config: dict, config: dict):
     if current is not None and isinstance(saved, dict):
         # Fields that change neither the weights' shapes nor the function they compute may change on resume.
         free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-        names = [n for n in {**current, **saved} if n not in free]
         diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
-                for n in names if saved.get(n) != current.get(n)]
+                for n in {**current, **saved} if n not in free and saved.get(n) != current.get(n)]
         if diff:
             raise ValueError(f"checkpoint {path} was saved with a different model architecture "
                              f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
@@ -535,9 +525,8 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
 
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False) -> str:
-    """Write a transformers `afmoe` folder from checkpoint `ckpt_path` (or a root's newest), a shard in memory at a
-    time: config.json (with the end-of-text id and the source), generation_config.json, safetensors shards and index,
-    the tokenizer (default: the data's); beside out_dir, moved there once complete. Returns the checkpoint used."""
+    """Write a transformers `afmoe` folder (with the tokenizer, by default the data's) from checkpoint `ckpt_path` (or a
+    root's newest), a shard in memory at a time, beside out_dir, moved there once complete; returns the checkpoint."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     _refuse_export_dir(out_dir, path, overwrite)
     verify(path)  # a damaged checkpoint is one sentence, before anything is written
@@ -549,8 +538,8 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     elif enc.n_vocab > cfg.vocab_size:
         raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
                          f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
-    saved_meta = _Reader(path).read_metadata().state_dict_metadata
-    meta = {n.removeprefix("model."): m for n, m in saved_meta.items() if n.startswith("model.")}
+    meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
+            if n.startswith("model.")}
     names = list(meta_model(cfg).state_dict())
     missing = [n for n in names if n not in meta]
     if missing:
@@ -777,8 +766,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
+    if unknown:  # a flag: named as the subcommand's closest; an extra argument: refused as argparse would
         refuse_unknown(parser, unknown, sub.choices[args.command])
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "ls":
             _ls(args.ckpt_root)

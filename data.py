@@ -13,10 +13,8 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     DataLoader("data/web:0.6,data/code:0.4;120000=data/web:0.4,data/code:0.6")  # a mixture, its weights from step 120k
     DataLoader("megatron/web_text_document")  # a Megatron-LM dataset: web_text_document.bin and .idx
 
-The inputs are cut into parts (about --part_bytes each, a function of the inputs alone); each part is tokenised,
-shuffled, held out and written on its own, so one process or a thousand write the same bytes. On disk, per part P:
-{train,val}_PPPPPP_NNNNNN.bin shards (a 128-byte header, then uint16/uint32 tokens with an end-of-text token after
-every document) and part_PPPPPP.json, written last; then manifest.json, the merge of them all.
+On disk, per part P of the inputs: {train,val}_PPPPPP_NNNNNN.bin shards (a 128-byte header, then uint16/uint32
+tokens, an end-of-text token after every document) and part_PPPPPP.json, written last; then manifest.json, their merge.
 """
 
 import argparse
@@ -828,8 +826,7 @@ class _Source:
                                        for e in np.unique(epoch)])
         shard = np.searchsorted(self.first_window, sequence, side="right") - 1
         start = (sequence - self.first_window[shard]) * self.seq_len
-        rows_NT1 = np.stack([self._shard(int(k))[s:s + self.seq_len + 1] for k, s in zip(shard, start)])
-        rows_NT1 = rows_NT1.astype(np.int64)
+        rows_NT1 = np.stack([self._shard(int(k))[s:s + self.seq_len + 1] for k, s in zip(shard, start)], dtype=np.int64)
         bad_NT1 = (rows_NT1 < 0) | (rows_NT1 >= (self.vocab_size or math.inf))  # a file changed after its check
         if bad_NT1.any():
             n, t = np.unravel_index(bad_NT1.argmax(), bad_NT1.shape)
@@ -880,16 +877,16 @@ class Mixture:
             _require(start in (0, None) if not phases else start is not None and start > phases[-1][0],
                      f"--data={spec}: phase {len(phases) + 1} ({text.strip()!r}) must {rule}; {example}")
             weights = {}
-            for item in (step[2] if step else text).split(","):
-                path, _, weight = item.strip().rpartition(":")
+            for item in map(str.strip, (step[2] if step else text).split(",")):
+                path, _, weight = item.rpartition(":")
                 try:
                     weight = float(weight)
                 except ValueError:  # no weight: the whole item is the path
-                    path = item.strip()
+                    path = item
                     weight = 1.0
                 _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,
-                         f"--data={spec}: {item.strip()!r} should be a source named once per phase, with a weight of "
-                         f"0 or more; {example}")
+                         f"--data={spec}: {item!r} should be a source named once per phase, with a weight of 0 or "
+                         f"more; {example}")
                 weights[os.path.normpath(path)] = weight
             _require(sum(weights.values()) > 0, f"--data={spec}: the weights of phase {len(phases) + 1} are all 0; "
                      f"give one source a positive weight")
@@ -957,11 +954,9 @@ class DataLoader:
                        for k in range(len(self.starts))]
 
     def _counts(self, phase: int, step_N: np.ndarray) -> np.ndarray:
-        """counts_NS: source i gives floor(G E[i+1] + u) - floor(G E[i] + u) of step n's G sequences, E the phase's
-        edges and u in (0, 1) the step's offset: its quota G w_i rounded down or up, G in all (systematic sampling).
-        Over MIX_PERIOD steps u takes MIX_PERIOD evenly spaced values once each, in a golden-ratio order, so a source
-        is rounded up in the share of steps its quota's remainder asks for: the weights hold to within one sequence
-        over every period, and a few over any stretch of steps."""
+        """counts_NS: source i gives floor(G E[i+1] + u) - floor(G E[i] + u) of step n's G sequences (systematic
+        sampling), E the phase's edges, u in (0, 1) the step's offset: MIX_PERIOD evenly spaced values, once each per
+        period in a golden-ratio order, so the weights hold to within one sequence over every period."""
         u_N = ((step_N % MIX_PERIOD * MIX_STRIDE + self.seed % MIX_PERIOD) % MIX_PERIOD + 0.5) / MIX_PERIOD
         below_NS1 = np.floor(self.global_batch * self.edges[phase] + u_N[:, None]).astype(np.int64)
         return np.diff(below_NS1, axis=1)
@@ -1036,9 +1031,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--encoding", "--tokenizer", default="cl100k_base", help="tiktoken encoding (cl100k_base works "
                    "offline) or a Hugging Face tokenizer folder, whose eos_token ends each document")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
-    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help="most characters of a document of a plain-text "
-                   f"file (not .py, .jsonl, .parquet; default {DOC_CHARS}): its paragraphs grouped, a long one cut at "
-                   "line ends")
+    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help=f"most characters of a plain-text document "
+                   f"(default {DOC_CHARS}): whole paragraphs, a long one cut at line ends")
     p.add_argument("--doc_separator", help="cut plain-text files into documents at this string instead, "
                    "e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
     p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: none)")

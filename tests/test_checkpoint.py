@@ -631,9 +631,11 @@ def test_cli(tmp_path, capsys):
         assert checkpoint.main(args) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
-    # A mistyped flag names the subcommand's closest one; a flag it lacks points at its --help; a bad value is refused.
+    # A mistyped flag names the subcommand's closest one; a flag it lacks points at its --help; a bad value and an
+    # extra argument are refused.
     ckpt = str(tmp_path / "ckpt")
     for args, says in [(["sample", ckpt, "--promt=hi", "--tempature=1"], "did you mean --prompt, --temperature?"),
+                       (["ls", ckpt, "extra"], "unrecognized arguments: extra"),
                        (["export", ckpt, str(tmp_path / "o"), "--dtype=bf16"], "checkpoint.py export --help lists"),
                        (["export", ckpt, str(tmp_path / "o"), "--max_shard_gb=0"], "--max_shard_gb: 0 must be above")]:
         with pytest.raises(SystemExit) as exit_:
