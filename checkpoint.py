@@ -624,8 +624,8 @@ def load_hf_into(model, hf_dir: str):
     wanted = to_hf_state_dict(tensors)
     missing = sorted(set(wanted) - set(shapes))
     if missing:
-        raise KeyError(f"the Hugging Face state dict lacks {len(missing)} tensors this config needs, "
-                       f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
+        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors this config needs, "
+                         f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
     wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
              if shapes[k] != tuple(v.shape)]
     if wrong:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-from checkpoint import export_hf, hf_config, latest, load, load_hf_into, save
+from checkpoint import export_hf, hf_config, latest, load, load_hf_into, save, to_hf_state_dict
 from conftest import crafted_metadata, run_worker
 from model import ModelConfig, Transformer
 
@@ -601,6 +601,13 @@ def test_hf_folder_errors_name_the_problem(tmp_path):
         load_hf_into(model, str(tmp_path))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-1.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="lacks 1 weight file"):
+        load_hf_into(model, str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").unlink()
+    tensors = to_hf_state_dict(model.state_dict())
+    tensors.pop(sorted(tensors)[0])
+    from safetensors.torch import save_file
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks 1 tensors this config needs"):  # train.py says a ValueError in a line
         load_hf_into(model, str(tmp_path))
 
 
