@@ -149,9 +149,8 @@ class TrainConfig:
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
     # unattended runs: spikes, rollbacks, events
     spike_threshold: float = option(10.0, "skip with its batch a step whose loss or gradient norm is this many robust "
-                                          "deviations (1.4826 x MAD, at least 0.02 x the median) above the median of "
-                                          "the last --spike_window applied steps; 10 times as far right after a "
-                                          "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
+                                          "deviations (1.4826 x MAD) above the median of the last --spike_window steps;"
+                                          " 10x that after a resume: a damaged checkpoint (0: both off)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
                                     "before the first, skipping the first's to the last's batch (0: off)", OFF_OR_MORE)
@@ -407,9 +406,9 @@ class TrainState:
         """The checkpoint's train-state values (the momentum tensor is kept beside the weights)."""
         return {"step": step, "momentum": self.momentum, **{name: getattr(self, name) for name in self.KEPT}}
 
-    def tensors(self) -> dict:
-        """Where a checkpoint's train-state tensors load, in place."""
-        return {"momentum": self.momentum}
+    def targets(self, model, optimizer) -> dict:
+        """Where a checkpoint loads, in place: the train state's tensors beside the weights."""
+        return {"model": model, "optim": optimizer, "train": {"momentum": self.momentum}}
 
     def load(self, saved: dict):
         """The train state's values besides its tensors (checkpoint.load has loaded those in place)."""
@@ -439,6 +438,7 @@ class TrainState:
 
 
 SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the median: values that barely vary trip nothing
+DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than a spike's limit: a damaged checkpoint
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
@@ -659,9 +659,9 @@ def restarts() -> int:
 
 
 class Alerts:
-    """Rank 0 keeps OUT_DIR/status.json (the latest numbers and the last event) and runs --on_event's command in the
-    background on each event: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed,
-    disk_nearly_full, stopped, finished, world_size_change, straggler, hang. A failed command is said, never raised."""
+    """Rank 0 keeps OUT_DIR/status.json and runs --on_event's command in the background on each event (restart, resume,
+    spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished, world_size_change,
+    straggler, hang); a failed command is said, never raised."""
 
     def __init__(self, run: "Run"):
         self.master = run.master
@@ -722,9 +722,8 @@ class Alerts:
 # --- fault tolerance: preemption signals and a hang watchdog
 
 class Guard:
-    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
-    step, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`, the
-    watchdog dumps every thread's stack, writes report_hang's report to `hang_dir`, exits 3: torchrun restarts."""
+    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0
+    (a second Ctrl-C stops at once). No step within `timeout_s`: the watchdog reports the hang and exits 3."""
 
     def __init__(self, timeout_s: float, hang_dir: str, alerts: Alerts):
         self.requested = self.interrupted = False
@@ -778,8 +777,7 @@ class Guard:
 
 def collectives() -> dict:
     """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [the last collectives]}; entered > completed: the rank waits in collective number `entered`. {} in one
-    process; {"error": why} without a recorder."""
+    "last": [collectives]}; entered > completed: it waits in collective `entered`. {} alone; {"error": why}."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -833,10 +831,9 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
-    """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
-    torchrun the ranks swap records through the job's store (it answers while collectives hang); rank 0 returns
-    hang_verdict's sentence to say, then hang/said is set, which the others wait for (bounded): their exit would
-    break the collective rank 0 waits in and end it before it speaks."""
+    """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives and every thread's stack. The ranks swap records
+    through the job's store (it answers while collectives hang); rank 0 returns hang_verdict's sentence. The others
+    wait (bounded) for hang/said: their exit would end the collective rank 0 waits in before it speaks."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -874,10 +871,8 @@ LEASE_STALE_S = 10.0  # a lease not renewed for this long, as another job sees i
 
 
 class Lease:
-    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (owner, host, pid, a heartbeat count renewed every
-    LEASE_BEAT_S), which works where flock does not (NFS, Lustre). Another job waits --lease_wait for a live lease to
-    end, then refuses naming its holder; it takes over, saying so, a lease whose heartbeat stopped for LEASE_STALE_S
-    as it watches (no clocks compared) or whose holder on this host is gone. A holder whose lease is taken stops."""
+    """OUT_DIR/lease.json, held by one live job's rank 0 (README: one live job per OUT_DIR). A heartbeat is judged
+    stopped by the watcher's own clock, no clocks compared; a holder whose lease is taken over stops."""
 
     def __init__(self, out_dir: str, wait_s: float):
         self.path = os.path.join(out_dir, "lease.json")
@@ -1015,7 +1010,7 @@ def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: Tr
     """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into model, optimizer
     and `state`; set resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the config
     whose LR schedule the run follows."""
-    targets = {"model": model, "optim": optimizer, "train": state.tensors()}
+    targets = state.targets(model, optimizer)
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
     else:
@@ -1179,9 +1174,6 @@ def build(run: Run, copies: int | None = None):
     return model, parallel.build_optimizer(model, run.tc)
 
 
-SPIKE_DRILL_SCALE = 100.0  # --spike_at_step's factor on the gradients
-
-
 class Drills:
     """The faults a run injects on purpose (the flags that say "drill"), to show it survives them. A dying or hung
     rank only on the first launch, so the restarted job can finish; NaN and spike on the batch of a data step, as bad
@@ -1204,7 +1196,7 @@ class Drills:
             time.sleep(10 * self.tc.step_timeout + 60)
         if data_step == self.tc.nan_at_step:
             return math.nan
-        return SPIKE_DRILL_SCALE if data_step in self.spike_at else 1.0
+        return 100.0 if data_step in self.spike_at else 1.0  # --spike_at_step's factor
 
     def straggle(self, seconds: float):
         if self.rank == self.tc.straggle_rank:
@@ -1271,9 +1263,6 @@ def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> 
 
 class Stopped(RuntimeError):
     """The run stopped itself (too many non-finite steps, too many rollbacks): one sentence, said as it stops."""
-
-
-DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than a spike's limit: a damaged checkpoint
 
 
 class Loop:
@@ -1518,8 +1507,8 @@ class Loop:
     def reload(self, up_to: int, history: dict | None = None) -> str | None:
         """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path or None."""
         self.complete()
-        targets = {"model": self.model, "optim": self.optimizer, "train": self.state.tensors()}
-        path, saved = checkpoint.load_latest(self.ckpt_root, targets, self.resolved, say, up_to=up_to)
+        path, saved = checkpoint.load_latest(self.ckpt_root, self.state.targets(self.model, self.optimizer),
+                                             self.resolved, say, up_to=up_to)
         if saved is None:
             return None
         self.state.load({**saved, **(history or {})})
@@ -1669,8 +1658,7 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
     if tc.dp_replicate == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agents (torch 2.11-2.13) share their rendezvous store with the workers, and a node joining after
-        # the first round then waits forever for an address the rank-0 agent no longer publishes.
+        # torch 2.11-2.13: torchrun's agents share their rendezvous store with the workers (README, Elastic jobs)
         say("warning: a node that joins this elastic job later will wait forever; set "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node so that the job can grow "
             "(it shrinks either way)")
