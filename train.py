@@ -87,8 +87,7 @@ class TrainConfig:
     optimizer: str = option("adamw", "muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW at "
                                      "--lr for the embedding, head, router and norms (as Trinity trained)",
                             one_of(*parallel.OPTIMIZERS))
-    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in)) per matrix",
-                            NON_NEGATIVE)
+    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", FRACTION)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
     seed: int = option(0, "seed for initialisation and data order")
@@ -127,8 +126,7 @@ class TrainConfig:
                                 at_least(0, "0 (from the device table) or more"))
     sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints and fault tolerance (checkpoint.py)
-    ckpt_every: int = option(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)",
-                             OFF_OR_MORE)
+    ckpt_every: int = option(500, "checkpoint every N steps (0: only --ckpt_minutes, the end, preemption)", OFF_OR_MORE)
     ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
     async_ckpt: bool = option(True, "write checkpoints in the background while training continues")
@@ -456,8 +454,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
                limits: tuple[float, float] | None = None) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update;
     a non-finite step or a spike (loss or gradient norm above `limits`) skips the last two. Returns the global batch's
-    mean losses and tokens-per-expert counts [L, E], the rank's per-sequence LM loss [B] and why the step was skipped
-    (None, "non-finite" or "spike"). `grad_scale`: a drill's factor on the gradients."""
+    mean losses and counts_LE, the rank's per-sequence LM loss_B and why it was skipped (None, non-finite, spike)."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -581,9 +578,8 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
 
 
 class MetricsSinks:
-    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks. A resumed run
-    logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead launch's events
-    past it (purge_step), W&B continues the same run (id in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks. A resumed run logs
+    again the steps after its checkpoint: metrics.jsonl is cut, TensorBoard purges them, W&B goes on (wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
@@ -659,9 +655,8 @@ def restarts() -> int:
 
 
 class Alerts:
-    """Rank 0 keeps OUT_DIR/status.json and runs --on_event's command in the background on each event (restart, resume,
-    spike, rollback, damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished, world_size_change,
-    straggler, hang); a failed command is said, never raised."""
+    """Rank 0's OUT_DIR/status.json, and --on_event's command run on each event: restart, resume, spike, rollback,
+    damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished, world_size_change, straggler, hang."""
 
     def __init__(self, run: "Run"):
         self.master = run.master
@@ -728,8 +723,7 @@ class Guard:
     def __init__(self, timeout_s: float, hang_dir: str, alerts: Alerts):
         self.requested = self.interrupted = False
         self.alerts = alerts
-        self.previous = {sig: signal.signal(sig, self._signal)
-                         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        self.previous = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         self.timeout_s = timeout_s
         self.hang_dir = hang_dir
         self.last_beat = time.time()
@@ -831,9 +825,8 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
-    """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives and every thread's stack. The ranks swap records
-    through the job's store (it answers while collectives hang); rank 0 returns hang_verdict's sentence. The others
-    wait (bounded) for hang/said: their exit would end the collective rank 0 waits in before it speaks."""
+    """Write HANG_DIR/rank_NNNNN.txt (last collectives, stacks); swap records through the job's store (it answers while
+    collectives hang). Rank 0 returns hang_verdict's; the others wait for hang/said: their exit would end its wait."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -969,9 +962,8 @@ def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
 
 
 def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
-    """Refuse a run that would mix with or delete another run in OUT_DIR: --resume=auto or one of its checkpoints
-    continues it, --overwrite replaces it, a job torchrun restarted continues its first attempt. Returns the config
-    and what to resume from (a checkpoint, the root, or None)."""
+    """Refuse a run that would mix with or delete OUT_DIR's run (--resume=auto or one of its checkpoints continues it,
+    --overwrite replaces it). Returns the config and what to resume from: a checkpoint, the root or None."""
     root = os.path.join(tc.out_dir, "checkpoints")
     restarted = restarts() > 0
     if restarted and checkpoint.latest(root):  # it continues from its own newest checkpoint
@@ -1007,9 +999,8 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState, resolved: dict,
            alerts: Alerts) -> TrainConfig:
-    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into model, optimizer
-    and `state`; set resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the config
-    whose LR schedule the run follows."""
+    """Load the checkpoint to continue from (auto: the newest that loads) into model, optimizer and `state`; set
+    resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the LR schedule's config."""
     targets = state.targets(model, optimizer)
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
@@ -1068,9 +1059,8 @@ class Run:
 
 def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
             device: torch.device) -> tuple[Run, dict, str | None]:
-    """OUT_DIR's run (one per directory), the data, the model config and the layout. Returns the run, its config as
-    config.json and every checkpoint keep it (resume adds the run id), and what to resume from."""
-    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
+    """The run (OUT_DIR, data, model config, layout), its config.json (every checkpoint's too), what to resume from."""
+    tc, resume_from = prepare_out_dir(tc, rank == 0)
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
         if rank == 0:  # the default corpus is prepared on first use; the other ranks wait
@@ -1084,12 +1074,12 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
         data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, tokenizer["vocab_size"])
-    train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "on_event"}  # may hold a secret (a webhook)
+    run = Run.on(tc, cfg, rank, world, device)  # --micro_batch=0 resolved
+    train = {k: v for k, v in dataclasses.asdict(run.tc).items() if k != "on_event"}  # may hold a secret (a webhook)
     resolved = {"train": train, "model": dataclasses.asdict(cfg), "world_size": world,
                 "tokenizer": {"name": tokenizer["tokenizer"],
                               "source": tokenizer.get("tokenizer_path", tokenizer["tokenizer"])},
                 "data": mixture.identity()}
-    run = Run.on(tc, cfg, rank, world, device)
     if resume_from:
         compare_settings(resume_from, resolved)
     return run, resolved, resume_from
@@ -1104,9 +1094,8 @@ SETTINGS = [f"train.{name}" for name in (
 
 
 def compare_settings(resume_from: str, resolved: dict):
-    """Say in one block how this launch's training settings differ from its checkpoint's. Another data set or
-    tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by accident);
-    the seed, sequence length and global batch fix which tokens each step reads: they cannot change."""
+    """Say how this launch's training settings differ from its checkpoint's. Another data set or tokenizer needs
+    --allow_changed (a curriculum changes data on purpose); seed, seq_len and global_batch fix the data order."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     changed = {}
     for key in SETTINGS:
@@ -1165,8 +1154,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
 
 
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer): the model built on meta, sharded over the layout's mesh, then initialised shard by shard;
-    the memory check counts `copies` fp32 copies of the weights (default: state_copies)."""
+    """(model, optimizer), built on meta, sharded, then initialised; the memory check counts `copies` (state_copies)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
@@ -1175,9 +1163,8 @@ def build(run: Run, copies: int | None = None):
 
 
 class Drills:
-    """The faults a run injects on purpose (the flags that say "drill"), to show it survives them. A dying or hung
-    rank only on the first launch, so the restarted job can finish; NaN and spike on the batch of a data step, as bad
-    data would: a skipped batch is not read again."""
+    """The faults a run injects on purpose (the "drill" flags): a dying or hung rank on the first launch only, so the
+    restarted job finishes; NaN and spike on a data step's batch, as bad data would (a skipped batch is not reread)."""
 
     def __init__(self, run: Run):
         self.tc = run.tc
@@ -1215,8 +1202,7 @@ STEP_PARTS = ("data", "compute", "wait")
 
 class StepTimes:
     """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
-    its own step) and wait (in the step's closing all-reduce, for the slowest rank). A wait in FSDP's gathers counts as
-    compute: a rank late before them (a slow read) shows in its data time while every rank's compute grows alike."""
+    its own step, FSDP's gathers included) and wait (in the step's closing all-reduce, for the slowest rank)."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1266,9 +1252,8 @@ class Stopped(RuntimeError):
 
 
 class Loop:
-    """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption after a checkpoint. A skipped step (non-finite, a spike) changes nothing and its batch is skipped data,
-    so the step counts updates. A failed checkpoint write is said and the run goes on; the final one's is raised."""
+    """The optimizer steps of one launch, each logged, evaluated and checkpointed when due. A skipped step changes
+    nothing and its batch is skipped data: steps count updates. A failed checkpoint is said; the final one's raised."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
