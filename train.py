@@ -530,8 +530,7 @@ LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing
-    (find_spec costs nothing). Not --log: torchrun would take it for its --log-dir."""
+    """The sinks --log_to names, refused in a sentence if unknown or not installed (--log is torchrun's --log-dir)."""
     names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
@@ -552,8 +551,7 @@ def _logged_step(line: str) -> float:
 
 
 def write_config(out_dir: Path, resolved: dict, start_step: int):
-    """OUT_DIR/config.json: this launch's config and the step it applies from. A resumed run whose settings (or
-    layout) changed first appends the previous one to config_history.jsonl."""
+    """OUT_DIR/config.json: the config and the step it applies from; a changed one moves the last to config_history."""
     path = out_dir / "config.json"
     if start_step and path.exists():
         before = json.loads(path.read_text())
@@ -1283,18 +1281,15 @@ class Loop:
             state.recent = []
         self.ckpt_step = 0
         self.final = self.disk_low = False
-        self.restart_record = self.restarted_as() if state.step else None
-        self.report()
-
-    def restarted_as(self) -> dict:
-        """What this launch resumed as, for its first metrics record; a changed world size is said once."""
-        old = self.state.resumed_world
-        world = self.run.layout.world
+        old = state.resumed_world
+        world = run.layout.world
+        self.restart_record = {"from_step": state.step, "world_size": [old, world],  # in its first record
+                               "steps_lost": self.sinks.steps_lost} if state.step else None
         if old and old != world:
-            self.alerts.event("world_size_change", self.state.step, f"world size changed: {old} -> {world} ranks "
-                              f"({self.run.layout.describe().splitlines()[0]}), resumed at step {self.state.step}, "
-                              f"{self.sinks.steps_lost} logged steps trained again")
-        return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
+            alerts.event("world_size_change", state.step, f"world size changed: {old} -> {world} ranks "
+                         f"({run.layout.describe().splitlines()[0]}), resumed at step {state.step}, "
+                         f"{self.sinks.steps_lost} logged steps trained again")
+        self.report()
 
     def train(self) -> dict:
         """The steps, then finish; however they end (a stop, bad data, a second Ctrl-C), guard and alerts close."""
@@ -1416,8 +1411,7 @@ class Loop:
         self.sinks.write(record)
 
     def skip(self, step: int, data_step: int, out: dict, limits: tuple[float, float], damaged_above: float):
-        """A skipped step: a damaged checkpoint falls back; otherwise its batch is skipped data, and too many
-        non-finite steps in a row stop the run, too many spikes roll it back."""
+        """A damaged checkpoint falls back; else the batch is skipped data: non-finite steps stop, spikes roll back."""
         tc = self.run.tc
         state = self.state
         if out["loss"] > damaged_above:
@@ -1468,10 +1462,9 @@ class Loop:
         state.skip_data(first_data, data_step + 1)
         history = {"skipped_data": state.skipped_data, "skipped": state.skipped, "rollbacks": state.rollbacks + 1,
                    "spikes": []}
-        path = self.reload(first_step, history)
-        if path is None:
-            self.stop(f"{burst}, call for a rollback, but no checkpoint before step {first_step + 1} is left; lower "
-                      f"--ckpt_every or raise --keep_ckpts, then resume")
+        path = self.reload(first_step, f"{burst}, call for a rollback, but no checkpoint before step {first_step + 1} "
+                                       f"is left; lower --ckpt_every or raise --keep_ckpts, then resume",
+                           history=history)
         if self.run.master:
             checkpoint.remove_after(self.ckpt_root, state.step)
         self.alerts.event("rollback", state.step, f"{burst}: rolled back to {path} (rollback {state.rollbacks} of at "
@@ -1483,19 +1476,18 @@ class Loop:
         damaged = (f"step {step + 1}, the first after loading the checkpoint of step {step}, has loss "
                    f"{out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}, far beyond the loss {damaged_above:.4g} "
                    f"its recorded losses allow: that checkpoint looks damaged and is not trained on")
-        path = self.reload(step - 1)
-        if path is None:
-            self.stop(f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start again with "
-                      f"--resume=none --overwrite", checkpoint.CorruptCheckpoint)
+        path = self.reload(step - 1, f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start "
+                                     f"again with --resume=none --overwrite", checkpoint.CorruptCheckpoint)
         self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
 
-    def reload(self, up_to: int, history: dict | None = None) -> str | None:
-        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path or None."""
+    def reload(self, up_to: int, none_left: str, error: type = Stopped, history: dict | None = None) -> str:
+        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path. None left:
+        stop, saying `none_left`."""
         self.complete()
         path, saved = checkpoint.load_latest(self.ckpt_root, self.state.targets(self.model, self.optimizer),
                                              self.resolved, say, up_to=up_to)
         if saved is None:
-            return None
+            self.stop(none_left, error)
         self.state.load({**saved, **(history or {})})
         self.sinks.rewind(self.state.step)
         self.resumed = True
