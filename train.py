@@ -440,8 +440,7 @@ DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than 
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) above which a step is a spike: the median over `recent` plus `threshold` robust
-    deviations (1.4826 x the median absolute deviation is a normal distribution's σ)."""
+    """(loss, gradient norm) limits: the median of `recent` + `threshold` x 1.4826 x MAD (a normal distribution σ)."""
     limits = []
     for values in zip(*recent):
         median = statistics.median(values)
@@ -1092,8 +1091,7 @@ SETTINGS = [f"train.{name}" for name in (
 
 
 def compare_settings(resume_from: str, resolved: dict):
-    """Say how this launch's training settings differ from its checkpoint's. Another data set or tokenizer needs
-    --allow_changed (a curriculum changes data on purpose); seed, seq_len and global_batch fix the data order."""
+    """Say how the training settings differ from the checkpoint's; other data or tokenizer needs --allow_changed."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     changed = {}
     for key in SETTINGS:
@@ -1161,8 +1159,7 @@ def build(run: Run, copies: int | None = None):
 
 
 class Drills:
-    """The faults a run injects on purpose (the "drill" flags): a dying or hung rank on the first launch only, so the
-    restarted job finishes; NaN and spike on a data step's batch, as bad data would (a skipped batch is not reread)."""
+    """Faults injected on purpose ("drill" flags); a rank dies or hangs on the first launch only: the restart ends."""
 
     def __init__(self, run: Run):
         self.tc = run.tc
@@ -1250,8 +1247,7 @@ class Stopped(RuntimeError):
 
 
 class Loop:
-    """The optimizer steps of one launch, each logged, evaluated and checkpointed when due. A skipped step changes
-    nothing and its batch is skipped data: steps count updates. A failed checkpoint is said; the final one's raised."""
+    """The optimizer steps of one launch, logged, evaluated and checkpointed when due; state.step counts updates."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
@@ -1551,14 +1547,13 @@ class Loop:
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields; status.json too."""
         tc = self.run.tc
-        device = self.run.device
         out = self.out
         dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)  # the step synchronised the device
         self.t_last = time.time()
         self.logged_step = step + 1
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        mem = torch.cuda.max_memory_allocated(self.run.device) / 2**30 if self.run.device.type == "cuda" else None
         bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
         # A launch's first step (compilation, cold caches) is recorded but not judged.
         times, straggler = self.times.gather(tc.straggler_threshold if step > self.start_step else 0.0)
