@@ -1159,7 +1159,7 @@ def build(run: Run, copies: int | None = None):
 
 
 class Drills:
-    """Faults injected on purpose ("drill" flags); a rank dies or hangs on the first launch only: the restart ends."""
+    """Faults injected on purpose ("drill" flags); only a first launch dies or hangs, so the restarted job finishes."""
 
     def __init__(self, run: Run):
         self.tc = run.tc
@@ -1279,12 +1279,12 @@ class Loop:
         self.final = self.disk_low = False
         old = state.resumed_world
         world = run.layout.world
-        self.restart_record = {"from_step": state.step, "world_size": [old, world],  # in its first record
-                               "steps_lost": self.sinks.steps_lost} if state.step else None
         if old and old != world:
             alerts.event("world_size_change", state.step, f"world size changed: {old} -> {world} ranks "
                          f"({run.layout.describe().splitlines()[0]}), resumed at step {state.step}, "
                          f"{self.sinks.steps_lost} logged steps trained again")
+        resumed = {"from_step": state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
+        self.restart_record = resumed if state.step else None  # what the launch's first record says it resumed as
         self.report()
 
     def train(self) -> dict:
@@ -1368,8 +1368,7 @@ class Loop:
         return False
 
     def limits(self) -> tuple[tuple[float, float] | None, float]:
-        """(the loss and gradient norm above which this step is a spike, once --spike_window steps are recorded; the
-        loss above which the checkpoint just loaded is damaged, on the first step after it)."""
+        """(the spike limits, once --spike_window steps are in; the loss above which the loaded checkpoint is damaged)."""
         tc = self.run.tc
         recent = self.state.recent
         if not tc.spike_threshold or not recent:
