@@ -1368,7 +1368,7 @@ class Loop:
         return False
 
     def limits(self) -> tuple[tuple[float, float] | None, float]:
-        """(the spike limits, once --spike_window steps are in; the loss above which the loaded checkpoint is damaged)."""
+        """(spike limits, once --spike_window steps are in; the loss past which the loaded checkpoint is damaged)."""
         tc = self.run.tc
         recent = self.state.recent
         if not tc.spike_threshold or not recent:
