@@ -768,7 +768,7 @@ class Guard:
 
 def collectives() -> dict:
     """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [collectives]}; entered > completed: it waits in collective `entered`. {} alone; {"error": why}."""
+    "last": [...]}; entered > completed: it waits in collective `entered`; {} in one process; {"error": why}."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -823,7 +823,7 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     """Write HANG_DIR/rank_NNNNN.txt (last collectives, stacks); swap records through the job's store (it answers while
-    collectives hang). Rank 0 returns hang_verdict's; the others wait for hang/said: their exit would end its wait."""
+    collectives hang). Rank 0 returns hang_verdict's sentence; the others wait for hang/said lest their exit end it."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -1150,7 +1150,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
 
 
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer), built on meta, sharded, then initialised; the memory check counts `copies` (state_copies)."""
+    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or state_copies)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
