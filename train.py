@@ -87,8 +87,7 @@ class TrainConfig:
     optimizer: str = option("adamw", "muon: Muon for the hidden matrices (attention, dense FFN, experts), AdamW at "
                                      "--lr for the embedding, head, router and norms (as Trinity trained)",
                             one_of(*parallel.OPTIMIZERS))
-    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in)) per matrix",
-                            NON_NEGATIVE)
+    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", FRACTION)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
     seed: int = option(0, "seed for initialisation and data order")
@@ -127,8 +126,7 @@ class TrainConfig:
                                 at_least(0, "0 (from the device table) or more"))
     sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints and fault tolerance (checkpoint.py)
-    ckpt_every: int = option(500, "checkpoint every N steps (0: only by --ckpt_minutes, at the end and on preemption)",
-                             OFF_OR_MORE)
+    ckpt_every: int = option(500, "checkpoint every N steps (0: only --ckpt_minutes, the end, preemption)", OFF_OR_MORE)
     ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
     async_ckpt: bool = option(True, "write checkpoints in the background while training continues")
@@ -149,9 +147,8 @@ class TrainConfig:
     max_bad_steps: int = option(5, "stop after this many non-finite (NaN/Inf) steps in a row", POSITIVE)
     # unattended runs: spikes, rollbacks, events
     spike_threshold: float = option(10.0, "skip with its batch a step whose loss or gradient norm is this many robust "
-                                          "deviations (1.4826 x MAD, at least 0.02 x the median) above the median of "
-                                          "the last --spike_window applied steps; 10 times as far right after a "
-                                          "resume means a damaged checkpoint (0: both off)", OFF_OR_MORE)
+                                          "deviations (1.4826 x MAD) above the median of the last --spike_window steps;"
+                                          " 10x that after a resume: a damaged checkpoint (0: both off)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many spikes within --spike_window steps roll back to the newest checkpoint "
                                     "before the first, skipping the first's to the last's batch (0: off)", OFF_OR_MORE)
@@ -407,9 +404,9 @@ class TrainState:
         """The checkpoint's train-state values (the momentum tensor is kept beside the weights)."""
         return {"step": step, "momentum": self.momentum, **{name: getattr(self, name) for name in self.KEPT}}
 
-    def tensors(self) -> dict:
-        """Where a checkpoint's train-state tensors load, in place."""
-        return {"momentum": self.momentum}
+    def targets(self, model, optimizer) -> dict:
+        """Where a checkpoint loads, in place: the train state's tensors beside the weights."""
+        return {"model": model, "optim": optimizer, "train": {"momentum": self.momentum}}
 
     def load(self, saved: dict):
         """The train state's values besides its tensors (checkpoint.load has loaded those in place)."""
@@ -439,11 +436,11 @@ class TrainState:
 
 
 SPREAD_FLOOR = 0.02  # a robust deviation is at least this fraction of the median: values that barely vary trip nothing
+DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than a spike's limit: a damaged checkpoint
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) above which a step is a spike: the median over `recent` plus `threshold` robust
-    deviations (1.4826 x the median absolute deviation is a normal distribution's σ)."""
+    """(loss, gradient norm) limits: the median of `recent` + `threshold` x 1.4826 x MAD (a normal distribution σ)."""
     limits = []
     for values in zip(*recent):
         median = statistics.median(values)
@@ -456,8 +453,7 @@ def train_step(model, optimizer, batch, tc: TrainConfig, autocast, state: TrainS
                limits: tuple[float, float] | None = None) -> dict:
     """Forward/backward over the rank's micro-batches, global gradient clipping, optimizer step, expert-bias update;
     a non-finite step or a spike (loss or gradient norm above `limits`) skips the last two. Returns the global batch's
-    mean losses and tokens-per-expert counts [L, E], the rank's per-sequence LM loss [B] and why the step was skipped
-    (None, "non-finite" or "spike"). `grad_scale`: a drill's factor on the gradients."""
+    mean losses and counts_LE, the rank's per-sequence LM loss_B and why it was skipped (None, non-finite, spike)."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -533,8 +529,7 @@ LOG_SINKS = ("tensorboard", "wandb")  # each the name of the package it needs
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names; ValueError (one sentence) for an unknown one or one whose package is missing
-    (find_spec costs nothing). Not --log: torchrun would take it for its --log-dir."""
+    """The sinks --log_to names, refused in a sentence if unknown or not installed (--log is torchrun's --log-dir)."""
     names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
@@ -555,8 +550,7 @@ def _logged_step(line: str) -> float:
 
 
 def write_config(out_dir: Path, resolved: dict, start_step: int):
-    """OUT_DIR/config.json: this launch's config and the step it applies from. A resumed run whose settings (or
-    layout) changed first appends the previous one to config_history.jsonl."""
+    """OUT_DIR/config.json: the config and the step it applies from; a changed one moves the last to config_history."""
     path = out_dir / "config.json"
     if start_step and path.exists():
         before = json.loads(path.read_text())
@@ -581,9 +575,8 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
 
 
 class MetricsSinks:
-    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks. A resumed run
-    logs the steps after its checkpoint again: metrics.jsonl is cut there, TensorBoard hides the dead launch's events
-    past it (purge_step), W&B continues the same run (id in OUT_DIR/wandb_run_id)."""
+    """Rank 0 writes OUT_DIR/config.json, then each record to metrics.jsonl and the --log_to sinks. A resumed run logs
+    again the steps after its checkpoint: metrics.jsonl is cut, TensorBoard purges them, W&B goes on (wandb_run_id)."""
 
     def __init__(self, tc: TrainConfig, resolved: dict, start_step: int, master: bool):
         self.tensorboard = self.wandb = None
@@ -659,9 +652,8 @@ def restarts() -> int:
 
 
 class Alerts:
-    """Rank 0 keeps OUT_DIR/status.json (the latest numbers and the last event) and runs --on_event's command in the
-    background on each event: restart, resume, spike, rollback, damaged_checkpoint, checkpoint_failed,
-    disk_nearly_full, stopped, finished, world_size_change, straggler, hang. A failed command is said, never raised."""
+    """Rank 0's OUT_DIR/status.json, and --on_event's command run on each event: restart, resume, spike, rollback,
+    damaged_checkpoint, checkpoint_failed, disk_nearly_full, stopped, finished, world_size_change, straggler, hang."""
 
     def __init__(self, run: "Run"):
         self.master = run.master
@@ -722,15 +714,13 @@ class Alerts:
 # --- fault tolerance: preemption signals and a hang watchdog
 
 class Guard:
-    """SIGTERM / SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT (Ctrl-C) set `requested`: the loop finishes the
-    step, checkpoints and exits 0 (a second Ctrl-C stops at once). If no step completes within `timeout_s`, the
-    watchdog dumps every thread's stack, writes report_hang's report to `hang_dir`, exits 3: torchrun restarts."""
+    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0
+    (a second Ctrl-C stops at once). No step within `timeout_s`: the watchdog reports the hang and exits 3."""
 
     def __init__(self, timeout_s: float, hang_dir: str, alerts: Alerts):
         self.requested = self.interrupted = False
         self.alerts = alerts
-        self.previous = {sig: signal.signal(sig, self._signal)
-                         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        self.previous = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         self.timeout_s = timeout_s
         self.hang_dir = hang_dir
         self.last_beat = time.time()
@@ -778,8 +768,7 @@ class Guard:
 
 def collectives() -> dict:
     """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [the last collectives]}; entered > completed: the rank waits in collective number `entered`. {} in one
-    process; {"error": why} without a recorder."""
+    "last": [...]}; entered > completed: it waits in collective `entered`; {} in one process; {"error": why}."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -833,10 +822,8 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
-    """Write HANG_DIR/rank_NNNNN.txt: this rank's last collectives (Flight Recorder) and every thread's stack. Under
-    torchrun the ranks swap records through the job's store (it answers while collectives hang); rank 0 returns
-    hang_verdict's sentence to say, then hang/said is set, which the others wait for (bounded): their exit would
-    break the collective rank 0 waits in and end it before it speaks."""
+    """Write HANG_DIR/rank_NNNNN.txt (last collectives, stacks); swap records through the job's store (it answers while
+    collectives hang). Rank 0 returns hang_verdict's sentence; the others wait for hang/said lest their exit end it."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -874,10 +861,8 @@ LEASE_STALE_S = 10.0  # a lease not renewed for this long, as another job sees i
 
 
 class Lease:
-    """One live job per OUT_DIR: its rank 0 holds OUT_DIR/lease.json (owner, host, pid, a heartbeat count renewed every
-    LEASE_BEAT_S), which works where flock does not (NFS, Lustre). Another job waits --lease_wait for a live lease to
-    end, then refuses naming its holder; it takes over, saying so, a lease whose heartbeat stopped for LEASE_STALE_S
-    as it watches (no clocks compared) or whose holder on this host is gone. A holder whose lease is taken stops."""
+    """OUT_DIR/lease.json, held by one live job's rank 0 (README: one live job per OUT_DIR). A heartbeat is judged
+    stopped by the watcher's own clock, no clocks compared; a holder whose lease is taken over stops."""
 
     def __init__(self, out_dir: str, wait_s: float):
         self.path = os.path.join(out_dir, "lease.json")
@@ -974,9 +959,8 @@ def hold_out_dir(tc: TrainConfig, master: bool) -> Lease | None:
 
 
 def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | None]:
-    """Refuse a run that would mix with or delete another run in OUT_DIR: --resume=auto or one of its checkpoints
-    continues it, --overwrite replaces it, a job torchrun restarted continues its first attempt. Returns the config
-    and what to resume from (a checkpoint, the root, or None)."""
+    """Refuse a run that would mix with or delete OUT_DIR's run (--resume=auto or one of its checkpoints continues it,
+    --overwrite replaces it). Returns the config and what to resume from: a checkpoint, the root or None."""
     root = os.path.join(tc.out_dir, "checkpoints")
     restarted = restarts() > 0
     if restarted and checkpoint.latest(root):  # it continues from its own newest checkpoint
@@ -1012,10 +996,9 @@ def prepare_out_dir(tc: TrainConfig, master: bool) -> tuple[TrainConfig, str | N
 
 def resume(resume_from: str | None, tc: TrainConfig, model, optimizer, state: TrainState, resolved: dict,
            alerts: Alerts) -> TrainConfig:
-    """Load the checkpoint to continue from (--resume=auto: the newest under OUT_DIR that loads) into model, optimizer
-    and `state`; set resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the config
-    whose LR schedule the run follows."""
-    targets = {"model": model, "optim": optimizer, "train": state.tensors()}
+    """Load the checkpoint to continue from (auto: the newest that loads) into model, optimizer and `state`; set
+    resolved["run_id"], its or a new one (a run prunes only its own checkpoints). Returns the LR schedule's config."""
+    targets = state.targets(model, optimizer)
     if resume_from and tc.resume == "auto":
         resume_from, saved = checkpoint.load_latest(resume_from, targets, resolved, say)
     else:
@@ -1073,9 +1056,8 @@ class Run:
 
 def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
             device: torch.device) -> tuple[Run, dict, str | None]:
-    """OUT_DIR's run (one per directory), the data, the model config and the layout. Returns the run, its config as
-    config.json and every checkpoint keep it (resume adds the run id), and what to resume from."""
-    tc, resume_from = prepare_out_dir(with_batch_defaults(tc, world), rank == 0)
+    """The run (OUT_DIR, data, model config, layout), its config.json (every checkpoint's too), what to resume from."""
+    tc, resume_from = prepare_out_dir(tc, rank == 0)
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
         if rank == 0:  # the default corpus is prepared on first use; the other ranks wait
@@ -1089,12 +1071,12 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int,
         data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
     else:
         cfg = model_config(tc, overrides, tokenizer["vocab_size"])
-    train = {k: v for k, v in dataclasses.asdict(tc).items() if k != "on_event"}  # may hold a secret (a webhook)
+    run = Run.on(tc, cfg, rank, world, device)  # --micro_batch=0 resolved
+    train = {k: v for k, v in dataclasses.asdict(run.tc).items() if k != "on_event"}  # may hold a secret (a webhook)
     resolved = {"train": train, "model": dataclasses.asdict(cfg), "world_size": world,
                 "tokenizer": {"name": tokenizer["tokenizer"],
                               "source": tokenizer.get("tokenizer_path", tokenizer["tokenizer"])},
                 "data": mixture.identity()}
-    run = Run.on(tc, cfg, rank, world, device)
     if resume_from:
         compare_settings(resume_from, resolved)
     return run, resolved, resume_from
@@ -1109,9 +1091,7 @@ SETTINGS = [f"train.{name}" for name in (
 
 
 def compare_settings(resume_from: str, resolved: dict):
-    """Say in one block how this launch's training settings differ from its checkpoint's. Another data set or
-    tokenizer is refused unless --allow_changed names it (a curriculum changes data on purpose, never by accident);
-    the seed, sequence length and global batch fix which tokens each step reads: they cannot change."""
+    """Say how the training settings differ from the checkpoint's; other data or tokenizer needs --allow_changed."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     changed = {}
     for key in SETTINGS:
@@ -1170,8 +1150,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
 
 
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer): the model built on meta, sharded over the layout's mesh, then initialised shard by shard;
-    the memory check counts `copies` fp32 copies of the weights (default: state_copies)."""
+    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or state_copies)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=torch.bfloat16 if run.dtype else None, seed=run.tc.seed,
@@ -1179,13 +1158,8 @@ def build(run: Run, copies: int | None = None):
     return model, parallel.build_optimizer(model, run.tc)
 
 
-SPIKE_DRILL_SCALE = 100.0  # --spike_at_step's factor on the gradients
-
-
 class Drills:
-    """The faults a run injects on purpose (the flags that say "drill"), to show it survives them. A dying or hung
-    rank only on the first launch, so the restarted job can finish; NaN and spike on the batch of a data step, as bad
-    data would: a skipped batch is not read again."""
+    """Faults injected on purpose ("drill" flags); only a first launch dies or hangs, so the restarted job finishes."""
 
     def __init__(self, run: Run):
         self.tc = run.tc
@@ -1204,7 +1178,7 @@ class Drills:
             time.sleep(10 * self.tc.step_timeout + 60)
         if data_step == self.tc.nan_at_step:
             return math.nan
-        return SPIKE_DRILL_SCALE if data_step in self.spike_at else 1.0
+        return 100.0 if data_step in self.spike_at else 1.0  # --spike_at_step's factor
 
     def straggle(self, seconds: float):
         if self.rank == self.tc.straggle_rank:
@@ -1223,8 +1197,7 @@ STEP_PARTS = ("data", "compute", "wait")
 
 class StepTimes:
     """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
-    its own step) and wait (in the step's closing all-reduce, for the slowest rank). A wait in FSDP's gathers counts as
-    compute: a rank late before them (a slow read) shows in its data time while every rank's compute grows alike."""
+    its own step, FSDP's gathers included) and wait (in the step's closing all-reduce, for the slowest rank)."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1273,13 +1246,8 @@ class Stopped(RuntimeError):
     """The run stopped itself (too many non-finite steps, too many rollbacks): one sentence, said as it stops."""
 
 
-DAMAGE_FACTOR = 10  # right after a resume, a loss this many times further than a spike's limit: a damaged checkpoint
-
-
 class Loop:
-    """The optimizer steps of one launch; after each it logs, evaluates and checkpoints when due, and stops on
-    preemption after a checkpoint. A skipped step (non-finite, a spike) changes nothing and its batch is skipped data,
-    so the step counts updates. A failed checkpoint write is said and the run goes on; the final one's is raised."""
+    """The optimizer steps of one launch, logged, evaluated and checkpointed when due; state.step counts updates."""
 
     def __init__(self, run: Run, model, optimizer, state: TrainState, loaders, schedule: TrainConfig, resolved: dict,
                  flops_per_token: float, drills: Drills, alerts: Alerts):
@@ -1309,18 +1277,15 @@ class Loop:
             state.recent = []
         self.ckpt_step = 0
         self.final = self.disk_low = False
-        self.restart_record = self.restarted_as() if state.step else None
-        self.report()
-
-    def restarted_as(self) -> dict:
-        """What this launch resumed as, for its first metrics record; a changed world size is said once."""
-        old = self.state.resumed_world
-        world = self.run.layout.world
+        old = state.resumed_world
+        world = run.layout.world
         if old and old != world:
-            self.alerts.event("world_size_change", self.state.step, f"world size changed: {old} -> {world} ranks "
-                              f"({self.run.layout.describe().splitlines()[0]}), resumed at step {self.state.step}, "
-                              f"{self.sinks.steps_lost} logged steps trained again")
-        return {"from_step": self.state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
+            alerts.event("world_size_change", state.step, f"world size changed: {old} -> {world} ranks "
+                         f"({run.layout.describe().splitlines()[0]}), resumed at step {state.step}, "
+                         f"{self.sinks.steps_lost} logged steps trained again")
+        resumed = {"from_step": state.step, "world_size": [old, world], "steps_lost": self.sinks.steps_lost}
+        self.restart_record = resumed if state.step else None  # what the launch's first record says it resumed as
+        self.report()
 
     def train(self) -> dict:
         """The steps, then finish; however they end (a stop, bad data, a second Ctrl-C), guard and alerts close."""
@@ -1403,8 +1368,7 @@ class Loop:
         return False
 
     def limits(self) -> tuple[tuple[float, float] | None, float]:
-        """(the loss and gradient norm above which this step is a spike, once --spike_window steps are recorded; the
-        loss above which the checkpoint just loaded is damaged, on the first step after it)."""
+        """(spike limits, once --spike_window steps are in; the loss past which the loaded checkpoint is damaged)."""
         tc = self.run.tc
         recent = self.state.recent
         if not tc.spike_threshold or not recent:
@@ -1442,8 +1406,7 @@ class Loop:
         self.sinks.write(record)
 
     def skip(self, step: int, data_step: int, out: dict, limits: tuple[float, float], damaged_above: float):
-        """A skipped step: a damaged checkpoint falls back; otherwise its batch is skipped data, and too many
-        non-finite steps in a row stop the run, too many spikes roll it back."""
+        """A damaged checkpoint falls back; else the batch is skipped data: non-finite steps stop, spikes roll back."""
         tc = self.run.tc
         state = self.state
         if out["loss"] > damaged_above:
@@ -1494,10 +1457,9 @@ class Loop:
         state.skip_data(first_data, data_step + 1)
         history = {"skipped_data": state.skipped_data, "skipped": state.skipped, "rollbacks": state.rollbacks + 1,
                    "spikes": []}
-        path = self.reload(first_step, history)
-        if path is None:
-            self.stop(f"{burst}, call for a rollback, but no checkpoint before step {first_step + 1} is left; lower "
-                      f"--ckpt_every or raise --keep_ckpts, then resume")
+        path = self.reload(first_step, f"{burst}, call for a rollback, but no checkpoint before step {first_step + 1} "
+                                       f"is left; lower --ckpt_every or raise --keep_ckpts, then resume",
+                           history=history)
         if self.run.master:
             checkpoint.remove_after(self.ckpt_root, state.step)
         self.alerts.event("rollback", state.step, f"{burst}: rolled back to {path} (rollback {state.rollbacks} of at "
@@ -1509,19 +1471,18 @@ class Loop:
         damaged = (f"step {step + 1}, the first after loading the checkpoint of step {step}, has loss "
                    f"{out['loss']:.4g}, gradient norm {out['grad_norm']:.4g}, far beyond the loss {damaged_above:.4g} "
                    f"its recorded losses allow: that checkpoint looks damaged and is not trained on")
-        path = self.reload(step - 1)
-        if path is None:
-            self.stop(f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start again with "
-                      f"--resume=none --overwrite", checkpoint.CorruptCheckpoint)
+        path = self.reload(step - 1, f"{damaged}, and no earlier checkpoint is left; restore the checkpoints or start "
+                                     f"again with --resume=none --overwrite", checkpoint.CorruptCheckpoint)
         self.alerts.event("damaged_checkpoint", step, f"{damaged}; fell back to {path}")
 
-    def reload(self, up_to: int, history: dict | None = None) -> str | None:
-        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path or None."""
+    def reload(self, up_to: int, none_left: str, error: type = Stopped, history: dict | None = None) -> str:
+        """Load the newest loadable checkpoint up to step `up_to`, `history` over its train state; its path. None left:
+        stop, saying `none_left`."""
         self.complete()
-        targets = {"model": self.model, "optim": self.optimizer, "train": self.state.tensors()}
-        path, saved = checkpoint.load_latest(self.ckpt_root, targets, self.resolved, say, up_to=up_to)
+        path, saved = checkpoint.load_latest(self.ckpt_root, self.state.targets(self.model, self.optimizer),
+                                             self.resolved, say, up_to=up_to)
         if saved is None:
-            return None
+            self.stop(none_left, error)
         self.state.load({**saved, **(history or {})})
         self.sinks.rewind(self.state.step)
         self.resumed = True
@@ -1585,14 +1546,13 @@ class Loop:
     def log(self, step: int, lr: float) -> dict:
         """The console line of this step, and the record's speed, memory and balance fields; status.json too."""
         tc = self.run.tc
-        device = self.run.device
         out = self.out
         dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)  # the step synchronised the device
         self.t_last = time.time()
         self.logged_step = step + 1
         tok_s = self.tokens_per_step / dt
         mfu = tok_s * self.flops_per_token / (self.peak * 1e12 * self.run.layout.world) if self.peak else None
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        mem = torch.cuda.max_memory_allocated(self.run.device) / 2**30 if self.run.device.type == "cuda" else None
         bal = balance_metrics(out["counts_LE"], self.model.moe_layers())
         # A launch's first step (compilation, cold caches) is recorded but not judged.
         times, straggler = self.times.gather(tc.straggler_threshold if step > self.start_step else 0.0)
@@ -1669,8 +1629,7 @@ def train_run(run: Run, resolved: dict, resume_from: str | None) -> dict:
     say(json.dumps(resolved, indent=1))
     say(run.layout.describe(run.cfg.n_experts))
     if tc.dp_replicate == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agents (torch 2.11-2.13) share their rendezvous store with the workers, and a node joining after
-        # the first round then waits forever for an address the rank-0 agent no longer publishes.
+        # torch 2.11-2.13: torchrun's agents share their rendezvous store with the workers (README, Elastic jobs)
         say("warning: a node that joins this elastic job later will wait forever; set "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node so that the job can grow "
             "(it shrinks either way)")
