@@ -1394,7 +1394,7 @@ class Loop:
                   "data_step": data_step, **self.sources(data_step, loss_S)}
         if (step + 1) % tc.log_every == 0 or last or step == self.start_step:
             record.update(self.log(step, lr))
-        if step == self.start_step and self.restart_record:
+        if self.restart_record and step == self.restart_record["from_step"]:  # not again after a rollback
             record["resumed"] = self.restart_record
         if self.val_loaders and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
             losses = {path: evaluate(self.model, loader, tc.eval_batches, tc.micro_batch, run.autocast, tc.doc_mask)
@@ -1491,6 +1491,7 @@ class Loop:
         return path
 
     def stop(self, message: str, error: type = Stopped):
+        self.complete()  # the checkpoint in flight holds a state from before the trouble: keep it
         self.alerts.event("stopped", self.state.step, message)
         raise error(message)
 

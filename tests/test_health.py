@@ -142,6 +142,18 @@ def test_a_run_stopped_right_after_a_rollback_never_resumes_the_abandoned_checkp
     assert_same_run(out, burst[0], 12)
 
 
+def test_a_launch_that_resumed_and_then_rolled_back_says_once_what_it_resumed_as(corpus_dir, tmp_path, capsys):
+    """The first launch stops on a non-finite step 3 while step 2's checkpoint is being written: the stop completes
+    it. The second launch resumes there, meets the burst and rolls back to step 6: metrics.jsonl says the launch
+    resumed at step 2 in one record, not again after the rollback."""
+    out = tmp_path / "run"
+    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 3;"):
+        run_here(args(corpus_dir, out, *BURST, "--nan_at_step=2", "--max_bad_steps=1"), capsys)
+    assert os.listdir(out / "checkpoints") == ["step_00000002"]
+    run_here(args(corpus_dir, out, *BURST), capsys)
+    assert [(r["step"], r["resumed"]["from_step"]) for r in rows(out) if "resumed" in r] == [(3, 2)]
+
+
 def test_every_rank_makes_the_same_decisions(burst, corpus_dir, tmp_path):
     """On 2 ranks (the experts split over both) the burst is skipped and rolled back as in one process: the spike
     statistics are of the global batch's all-reduced loss and gradient norm, so every rank decides alike."""
