@@ -43,7 +43,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from model import Parser
+from model import Parser, Rule, at_least
 
 DEFAULT_DATA_DIR = os.path.join("data", "stdlib")
 MAGIC = b"NTTOKENS"
@@ -62,6 +62,13 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 MIX_PERIOD = 2**12  # a mixture's rounding repeats after this many steps
 MIX_STRIDE = 2531  # odd and near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
 PART_BYTES = 2**30  # the unit of work of preparing and of --shard
+RULES = {  # prepare's numbers: its flags parse by these, and prepare checks them when called from Python
+    "doc_chars": at_least(1, f"positive, e.g. {DOC_CHARS}"),
+    "val_fraction": Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1, e.g. 0.03 (0: no validation set)"),
+    "shard_tokens": at_least(1, f"positive, e.g. {2**24}"),
+    "part_bytes": at_least(1, f"positive, e.g. {PART_BYTES}"),
+    "workers": at_least(1, "at least 1 (or left unset: one per CPU core)"),
+}
 SHARD_NAME = re.compile(r"(train|val)_\d{6}_\d{6}\.bin(\.tmp)?")  # split, part, shard
 PART_NAME = re.compile(r"part_(\d{6})\.json")
 # GPT-2's byte-level alphabet, in which Hugging Face spells byte-level BPE tokens: printable bytes stand for
@@ -560,12 +567,11 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part and merges them into the
     manifest it returns; with shard=(i, n), parts i, i + n, ... only (None): `merge` writes the same bytes."""
     say = _say(quiet)
-    _require(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be at least 0 and below 1, e.g. 0.03 (0: no "
-             f"validation set)")
-    _require(doc_chars >= 1, f"doc_chars={doc_chars} must be positive, e.g. {DOC_CHARS}")
-    _require(shard_tokens >= 1, f"shard_tokens={shard_tokens} must be positive, e.g. {2**24}")
-    _require(part_bytes >= 1, f"part_bytes={part_bytes} must be positive, e.g. {PART_BYTES}")
-    _require(workers is None or workers >= 1, f"workers={workers} must be at least 1 (or left unset: one per CPU core)")
+    numbers = dict(doc_chars=doc_chars, val_fraction=val_fraction, shard_tokens=shard_tokens, part_bytes=part_bytes,
+                   workers=workers)
+    bad = [f"{name}={value} must be {RULES[name].words}" for name, value in numbers.items()
+           if value is not None and not RULES[name].ok(value, None)]
+    _require(not bad, "; ".join(bad))
     if shard is not None:
         _require(0 <= shard[0] < shard[1], f"shard={shard[0]}/{shard[1]} must be I/N with 0 <= I < N, e.g. "
                  f"--shard=$SLURM_ARRAY_TASK_ID/1000 in an array of 1000 tasks")
@@ -1031,20 +1037,21 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--encoding", "--tokenizer", default="cl100k_base", help="tiktoken encoding (cl100k_base works "
                    "offline) or a Hugging Face tokenizer folder, whose eos_token ends each document")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
-    p.add_argument("--doc_chars", type=int, default=DOC_CHARS, help=f"most characters of a plain-text document "
-                   f"(default {DOC_CHARS}): whole paragraphs, a long one cut at line ends")
+    p.add_argument("--doc_chars", type=RULES["doc_chars"].parse(int), default=DOC_CHARS, help=f"most characters of "
+                   f"a plain-text document (default {DOC_CHARS}): whole paragraphs, a long one cut at line ends")
     p.add_argument("--doc_separator", help="cut plain-text files into documents at this string instead, "
                    "e.g. '<|endoftext|>'; a longer document is still cut at --doc_chars")
-    p.add_argument("--val_fraction", type=float, default=0.03, help="fraction of documents held out for val (0: none)")
-    p.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
+    p.add_argument("--val_fraction", type=RULES["val_fraction"].parse(float), default=0.03,
+                   help="fraction of documents held out for val (0: none)")
+    p.add_argument("--shard_tokens", type=RULES["shard_tokens"].parse(int), default=2**24, help="tokens per shard file")
     p.add_argument("--shuffle_docs", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle documents (seeded) before packing them into sequences")
     p.add_argument("--seed", type=int, default=0, help="seed of the document shuffle")
-    p.add_argument("--part_bytes", type=int, default=PART_BYTES, help="bytes per part of the inputs, each prepared "
-                   "alone: the unit of work of --shard")
+    p.add_argument("--part_bytes", type=RULES["part_bytes"].parse(int), default=PART_BYTES,
+                   help="bytes per part of the inputs, each prepared alone: the unit of work of --shard")
     p.add_argument("--shard", type=_shard, metavar="I/N", help="prepare only parts I, I+N, I+2N, ... "
                    "(e.g. $SLURM_ARRAY_TASK_ID/1000), then `python data.py merge OUT_DIR` once all N are done")
-    p.add_argument("--workers", type=int, help="tokenizing threads (default: all CPU cores)")
+    p.add_argument("--workers", type=RULES["workers"].parse(int), help="tokenizing threads (default: all CPU cores)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
 
