@@ -42,8 +42,20 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 import train
+from model import (
+    POSITIVE,
+    PRESETS,
+    FeedForward,
+    MoE,
+    Parser,
+    above,
+    at_least,
+    grouped_mm_supported,
+    meta_model,
+    parse_bool,
+    suggest,
+)
 from parallel import say
-from model import POSITIVE, PRESETS, FeedForward, MoE, above, at_least, grouped_mm_supported, meta_model, suggest
 
 COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM, per-expert loop, dense SwiGLU, expert parallel.",
             "vs-hf": "Our training step vs transformers' AfmoeForCausalLM, same config and work, timed alternately.",
@@ -99,6 +111,20 @@ def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int,
     return tokens_BT[rows, :-1], tokens_BT[rows, 1:], starts_BT.cumsum(1)[rows]
 
 
+def train_step(model, optimizer, batch, tc, autocast, momentum_LE: torch.Tensor, steps: list[int]) -> dict:
+    """One of train.py's steps, as its loop makes it (every step applied): forward and backward, optimizer step,
+    expert-bias update; steps[0] counts them, for the LR schedule."""
+    for group in optimizer.param_groups:
+        group["lr"] = train.lr_at(steps[0], tc)
+    out = train.forward_backward(model, batch, tc, autocast)
+    with train.phase("optimizer"):
+        optimizer.step()
+    train.update_biases(model, out["counts_LE"], momentum_LE, tc, steps[0])
+    optimizer.zero_grad(set_to_none=True)
+    steps[0] += 1
+    return out
+
+
 def model_config(tc: train.TrainConfig, overrides: dict):
     """train.model_config with the preset's vocabulary instead of a tokenizer's; --vocab_size overrides it, unpadded,
     as in train.py."""
@@ -116,7 +142,7 @@ def max_over_ranks(value: float) -> float:
 # --- Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
 SCOPE = "bench::"  # our ranges
-PHASE = "train_step::"  # train.train_step's ranges around its phases
+PHASE = "train_step::"  # train.phase ranges around the step's phases
 COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
                 "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
 STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that are components of their own
@@ -254,7 +280,7 @@ def print_components(table: dict, wall_ms: float, what: str):
 def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     torch.manual_seed(tc.seed)
-    run = train.Run.on(tc, model_config(tc, overrides), rank, world, device)
+    run = train.make_run(tc, model_config(tc, overrides), rank, world, device)
     tc = run.tc  # --micro_batch=0 resolved to each rank's share, as train.py does
     cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
@@ -262,7 +288,8 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
         raise FileNotFoundError(f"--save={args.save}: its folder does not exist; create it or save elsewhere.")
     model, optimizer = train.build(run)
-    state = train.TrainState.fresh(model, device)
+    momentum_LE = torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device)
+    steps = [0]
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
     twin = meta_model(cfg)
     n = twin.num_params()
@@ -274,11 +301,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     say(run.layout.describe(cfg.n_experts))
 
     def step() -> dict:
-        for group in optimizer.param_groups:
-            group["lr"] = train.lr_at(state.step, tc)
-        out = train.train_step(model, optimizer, batch, tc, run.autocast, state)
-        state.step += 1
-        return out
+        return train_step(model, optimizer, batch, run.tc, run.autocast, momentum_LE, steps)
 
     # The first steps from the seeded initialisation: the trajectory --compare checks (they warm up as well).
     trajectory = record_trajectory(step, model, run.dtype) if args.save or args.compare else None
@@ -293,7 +316,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
         f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
     tok_s = result["tokens_per_step"] / (result["ms_median"] / 1e3)
-    peak = train.peak_tflops(device, tc.peak_tflops)
+    peak = parallel.peak_tflops(device)
     tflops = flops_per_token * tok_s / world / 1e12
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
                   mfu=tflops / peak if peak else None, peak_tflops=peak,
@@ -565,8 +588,9 @@ def moe_report(result: dict, times: dict, flops: float, world: int):
 
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
-    autocast, dtype = train.autocast_for(tc, device)
     cfg = model_config(tc, overrides)
+    run = train.make_run(dataclasses.replace(tc, dp_replicate=1, ep=1), cfg, 0, 1, device)
+    autocast, dtype = run.autocast, run.dtype
     N = args.tokens
     T = min(tc.seq_len, args.tokens)
     if N % T:
@@ -649,7 +673,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     _, _, device = parallel.init_distributed()
     # One process (whatever the layout flags say), and AfmoeForCausalLM has no intra-document masking.
     tc = dataclasses.replace(tc, doc_mask=False, dp_replicate=1, ep=1)
-    run = train.Run.on(tc, model_config(tc, overrides), 0, 1, device)
+    run = train.make_run(tc, model_config(tc, overrides), 0, 1, device)
     tc = run.tc
     cfg = run.cfg
     torch.manual_seed(tc.seed)
@@ -658,7 +682,8 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict()), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
     opt_hf = parallel.build_optimizer(hf, tc)
-    state = train.TrainState.fresh(ours, device)
+    momentum_LE = torch.zeros(len(ours.moe_layers()), cfg.n_experts, device=device)
+    steps = [0]
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)
     n_micro = tc.global_batch // tc.micro_batch
     hf_impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))
@@ -669,7 +694,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     losses = {}
 
     def step_ours():
-        losses["ours"] = train.train_step(ours, opt_ours, batch, tc, run.autocast, state)["lm_loss"]
+        losses["ours"] = train_step(ours, opt_ours, batch, run.tc, run.autocast, momentum_LE, steps)["lm_loss"]
 
     def step_hf():  # the same work: micro-batches, clipping, AdamW; no balance losses or bias update (HF has none)
         tokens_BT, targets_BT, _ = (t.to(device) for t in batch)
@@ -772,12 +797,12 @@ def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser of a command's own flags, and the train.py flags it defaults to."""
     description = COMMANDS.get(command, f"Time train.py's training step on synthetic tokens. Other commands: "
                                         f"{', '.join(COMMANDS)} (bench.py COMMAND --help).")
-    parser = train._Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
+    parser = Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
                            allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
                                   "such as --dim=512, and the layout, batch and precision flags.")
     add = parser.add_argument
-    switch = functools.partial(add, type=train._parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
+    switch = functools.partial(add, type=parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "data":
         add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a Hugging Face tokenizer folder")

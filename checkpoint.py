@@ -44,8 +44,13 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 import data
 from model import POSITIVE, ModelConfig, Rule, above, at_least, meta_model, refuse_unknown

@@ -16,7 +16,9 @@ K experts per token, N tokens (B*T), I expert hidden width, L MoE layers.
 """
 
 import argparse
+import contextlib
 import difflib
+import json
 import math
 import warnings
 from dataclasses import dataclass, field, fields
@@ -26,7 +28,6 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 # --- Configuration: settings are dataclass fields, each declared with its help and its rule (train.py's flags too)
 
@@ -77,39 +78,113 @@ def check(settings) -> None:
         raise ValueError("; ".join(problems) + ".")
 
 
-def suggest(word: str, names, aliases: dict | None = None) -> str | None:
-    """The name a mistyped `word` most likely means: `aliases`' name for it (another program's), else the closest of
-    `names` in spelling, else None; leading dashes ignored, spelled as in `names`."""
+# Names other trainers (nanoGPT, torchtitan, Hugging Face) give to our flags, for "did you mean".
+OTHER_NAMES = {other: ours for ours, others in {
+    "lr": "learning_rate optimizer.lr", "steps": "max_iters max_steps lr_decay_iters training.steps num_train_steps",
+    "global_batch": "batch_size global_batch_size training.global_batch_size", "seq_len": "block_size training.seq_len",
+    "micro_batch": "local_batch_size micro_batch_size per_device_train_batch_size gradient_accumulation_steps",
+    "warmup_steps": "warmup_iters lr_scheduler.warmup_steps", "min_lr_ratio": "min_lr", "eval_every": "eval_interval",
+    "eval_batches": "eval_iters", "log_every": "log_interval metrics.log_freq", "grad_clip": "grad_clip_norm max_norm",
+    "ckpt_every": "checkpoint.interval save_steps", "resume": "init_from", "data": "dataset data_dir",
+    "out_dir": "output_dir job.dump_folder", "n_layers": "n_layer", "n_heads": "n_head", "dim": "n_embd",
+    "ep": "parallelism.expert_parallel_degree", "ac": "activation_checkpoint.mode"}.items() for other in others.split()}
+
+
+def suggest(word: str, names) -> str | None:
+    """The name in `names` a mistyped `word` most likely means: ours for another trainer's name, else the closest
+    in spelling, else None (leading dashes ignored)."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
-    if aliases and key in aliases:
-        return bare.get(aliases[key], aliases[key])
+    if OTHER_NAMES.get(key) in bare:
+        return bare[OTHER_NAMES[key]]
     close = difflib.get_close_matches(key, list(bare), n=1, cutoff=0.6)
     return bare[close[0]] if close else None
 
 
 def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: argparse.ArgumentParser | None = None,
-                   also: list[str] = (), aliases: dict | None = None):
-    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has: one
-    sentence naming the flags they most likely mean (suggest), or where the flags are listed."""
+                   also: list[str] = ()):
+    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has,
+    naming the closest flags."""
     known = known or parser
     flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
     unknown = [word.split("=")[0] for word in words if word.startswith("-") and word.split("=")[0] not in flags]
     if unknown:
-        close = [flag for flag in (suggest(name, flags, aliases) for name in unknown) if flag]
+        close = [flag for flag in (suggest(name, flags) for name in unknown) if flag]
         parser.exit(2, f"{parser.prog}: error: unknown flag{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                        + (f"did you mean {', '.join(close)}?" if close else f"{known.prog} --help lists the flags.")
                        + "\n")
 
 
+def parse_bool(text: str) -> bool:
+    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def kind_of(f) -> type:
+    """The type of a settings field's value: bool, int, float or str."""
+    return bool if f.type in (bool, bool | None, "bool") else type(f.default)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse refusing an unknown flag by naming the likeliest one (aliases: other programs' names for flags)."""
-    aliases: dict = {}
+    """argparse whose unknown flags are refused naming the closest; add_settings makes a dataclass's fields flags."""
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):
-            refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split(), aliases=self.aliases)
+            refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split())
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def add_settings(self, settings: type, title: str | None = None, show_defaults: bool = True):
+        """A --field=value flag per field of `settings`, absent from the result unless given (bools: --flag alone)."""
+        group = self.add_argument_group(title) if title else self
+        for f in fields(settings):
+            kind = kind_of(f)
+            shown = f" (default: {f.default})" if show_defaults else ""
+            group.add_argument(f"--{f.name}", type=f.metadata.get("parse") or (parse_bool if kind is bool else kind),
+                               default=argparse.SUPPRESS, help=f.metadata["help"].replace("%", "%%") + shown,
+                               **({"nargs": "?", "const": True} if kind is bool else {}))
+
+
+def config_file(path: str) -> dict:
+    """What a TOML (.toml) or JSON config file holds; ValueError, one sentence, if it cannot be read as one."""
+    toml = path.lower().endswith(".toml")
+    try:
+        with open(path, "rb") as f:
+            if toml:
+                import tomllib  # Python 3.11's
+            raw = tomllib.load(f) if toml else json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config={path} cannot be read ({e.strerror or e}).")
+    except ValueError as e:  # the parsers' errors and a bad UTF-8 byte are all ValueErrors
+        raise ValueError(f"--config={path} is not valid {'TOML' if toml else 'JSON'}: {e}.")
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config={path} holds a {type(raw).__name__}; expected tables of settings.")
+    return raw
+
+
+def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
+    """{"table.field": value} of config file `path`, whose tables (e.g. [train], [model]) hold fields of `tables`'
+    dataclasses, typed as their flags are; top-level `facts` are skipped. ValueError, one sentence."""
+    raw = config_file(path)
+    known = {f"{table}.{f.name}": f for table, cls in tables.items() for f in fields(cls)}
+    entries = {f"{key}.{k}": v for key, table in raw.items() if key in tables and isinstance(table, dict)
+               for k, v in table.items()}
+    entries |= {key: v for key, v in raw.items() if key not in tables and key not in facts}
+    values = {}
+    for key, value in entries.items():
+        if key not in known:
+            close = suggest(key, known)
+            raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {close}?" if close else
+                             f"keys are {' or '.join(f'{t}.FIELD' for t in tables)}."))
+        kind = kind_of(known[key])
+        parse = known[key].metadata.get("parse")
+        if parse and isinstance(value, str):  # a word the flag takes too (dp_replicate = "auto")
+            with contextlib.suppress(ValueError):
+                value = parse(value)
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {kind.__name__}.")
+        values[key] = kind(value)
+    return values
 
 
 POSITIVE = at_least(1)
@@ -399,21 +474,15 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
             return f"expert weight shape {tuple(w.shape)} is not 16-byte aligned for grouped_mm"
 
 
-ROWS_MOST = 16  # (token, expert) rows up to which expert_ffn's "auto" gathers each row's weights on CPU
-
-
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
     """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
     projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" GEMM, "loop" (a matmul
-    per expert: the reference), "rows" (a bmm of gathered weights) or "auto": rows decoding on CPU, grouped, loop."""
+    per expert: the reference) or "auto": grouped where torch can run it, else the loop."""
     if impl == "auto":
-        # On CPU grouped_mm runs expert after expert: for a handful of rows gathering each row's weights pays (tiny,
-        # 256 experts: decoding 1 sequence 29% faster, 4 sequences 8%; 8 sequences, 32 rows, 14% slower).
-        decoding = x_ND.device.type == "cpu" and not torch.is_grad_enabled() and len(x_ND) <= ROWS_MOST
-        why_not = None if decoding else grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
+        why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
             _warn_once(f"MoE experts fall back to a slow per-expert loop: {why_not}.")
-        impl = "rows" if decoding else "loop" if why_not else "grouped"
+        impl = "loop" if why_not else "grouped"
     dtype = x_ND.dtype
 
     def swiglu(gate_up_NH):
@@ -421,10 +490,6 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
         act_NI = F.silu(gate_NI) * up_NI
         return (act_NI * scale_N.unsqueeze(-1)).to(act_NI.dtype)  # one rounding
 
-    if impl == "rows":
-        expert_N = torch.arange(len(counts_E), device=x_ND.device).repeat_interleave(counts_E, output_size=len(x_ND))
-        act_NI = swiglu(torch.bmm(gate_up_EHD[expert_N].to(dtype), x_ND.unsqueeze(-1)).squeeze(-1))
-        return torch.bmm(down_EDI[expert_N].to(dtype), act_NI.unsqueeze(-1)).squeeze(-1)
     if impl == "loop":  # unbind, not gate_up_EHD[e]: each index's backward would write a whole [E, ...] gradient
         rows = counts_E.tolist()
         act_NI = swiglu(torch.cat([F.linear(x_nD, w_HD.to(dtype))

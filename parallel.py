@@ -33,8 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adamw import adamw
-from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                     noop_context_fn)
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn, meta_model
 
@@ -190,6 +195,14 @@ def say(*args, **kwargs):
         print(*args, **kwargs)
 
 
+def gathered(value) -> list:
+    """Every rank's `value` in rank order, on every rank: how ranks agree (on rank 0's value, or on any rank's)."""
+    values = [value] * rank_world()[1]
+    if len(values) > 1:
+        dist.all_gather_object(values, value)
+    return values
+
+
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks, in place (a no-op in one process): the global batch's counts, on every rank."""
     if rank_world()[1] > 1:
@@ -211,7 +224,7 @@ class Layout:
     ep: int = 1
 
     @classmethod
-    def following(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
+    def for_world(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
         """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks (0: launched /
         dp_replicate). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the rest stand by."""
         if dp_replicate == 0:
@@ -672,3 +685,13 @@ def build_optimizer(model, tc, fused: bool = True):
                "weight_decay": tc.weight_decay},
               {**vectors, "muon": False}]
     return Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)
+
+
+# Dense bf16 peaks in TFLOP/s, for MFU (other devices report n/a: add yours here). B300's gains are in FP4, not bf16.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0, "A100": 312.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)

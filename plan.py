@@ -28,16 +28,29 @@ import torch
 import checkpoint
 import parallel
 import train
-from model import POSITIVE, PRESETS, MoE, RMSNorm, Rule, above, at_least, head_chunks, meta_model
+from model import (
+    POSITIVE,
+    PRESETS,
+    MoE,
+    Parser,
+    RMSNorm,
+    Rule,
+    above,
+    at_least,
+    config_file,
+    head_chunks,
+    meta_model,
+    parse_bool,
+)
 
 # --- GPUs, and the memory a layout needs
 
 # Per GPU kind: dense bf16 peak TFLOP/s, GiB, NVLink and default network GB/s per GPU each way, 8 GPUs and NICs a node
 # (line rates; NCCL's measured bus bandwidth, typically 80-90% of them, goes in --nvlink_gbs / --net_gbs), HBM TB/s.
-GPUS = {"h100": (train.PEAK_TFLOPS["H100"], 80, 450, 50, 3.35),   # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
-        "h200": (train.PEAK_TFLOPS["H200"], 141, 450, 50, 4.8),   # NVLink 4, 400 Gb/s NIC
-        "b200": (train.PEAK_TFLOPS["B200"], 180, 900, 50, 8.0),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
-        "b300": (train.PEAK_TFLOPS["B300"], 288, 900, 100, 8.0)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
+GPUS = {"h100": (parallel.PEAK_TFLOPS["H100"], 80, 450, 50, 3.35),   # NVLink 4 (900 GB/s both ways), 400 Gb/s NIC
+        "h200": (parallel.PEAK_TFLOPS["H200"], 141, 450, 50, 4.8),   # NVLink 4, 400 Gb/s NIC
+        "b200": (parallel.PEAK_TFLOPS["B200"], 180, 900, 50, 8.0),   # NVLink 5 (1.8 TB/s both ways), 400 Gb/s NIC
+        "b300": (parallel.PEAK_TFLOPS["B300"], 288, 900, 100, 8.0)}  # NVLink 5, 800 Gb/s NIC (ConnectX-8)
 FIT_FRACTION = 0.9  # 10% left for the CUDA context, NCCL buffers, fragmentation, EP load imbalance
 AG = "FSDP all-gather"
 RS = "FSDP reduce-scatter"
@@ -264,7 +277,7 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
     optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks."""
-    layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
+    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
     links = links or Links()
@@ -661,7 +674,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
 # --- Command line: plan.py's own flags, then train.py's
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = train._Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
+    parser = Parser(prog="plan.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            epilog="Also takes every train.py flag (python train.py --help), read as train.py reads "
                                   "them: --preset, model overrides such as --dim=512, the batch and layout flags, "
@@ -686,7 +699,7 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--repair_minutes", type=number, default=30.0, help="minutes from a failure to a relaunch by hand")
     add("--restart_minutes", type=number, default=5.0, help="minutes from a launch to the first step, less the read")
     add("--storage_gbs", type=above(0).parse(float), default=2.0, help="GB/s per GPU to write and read checkpoints")
-    add("--search", type=train._parse_bool, nargs="?", const=True, default=True,
+    add("--search", type=parse_bool, nargs="?", const=True, default=True,
         help="also list the five fastest layouts that fit (--search=false: skip)")
     add("--json", action="store_true", help="print the result as one JSON object on the last line")
     return parser
@@ -695,13 +708,13 @@ def plan_parser() -> argparse.ArgumentParser:
 def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
     """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: a rank's share)."""
     tc, overrides = train.parse_args(argv)
-    layout = parallel.Layout.following(world, tc.dp_replicate, tc.dp_shard, tc.ep)
-    return train.with_batch_defaults(tc, layout.world), overrides
+    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
+    return train.with_micro_batch(tc, layout.world), overrides
 
 
 def recorded_world_size(path: str) -> int:
     """The world_size a config file records (a run's config.json does; a TOML file may), else 0."""
-    world = train.config_file(path).get("world_size", 0)
+    world = config_file(path).get("world_size", 0)
     if not isinstance(world, int) or world < 0:
         raise ValueError(f"--config={path} sets world_size to {world!r}; expected a number of GPUs, or pass --gpus.")
     return world

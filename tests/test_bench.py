@@ -58,7 +58,8 @@ def test_training_step_report(capsys):
         assert out[key] > 0, key
     assert out["mfu"] is None  # CPU: no peak in the table
     assert out["tflops_per_device"] == pytest.approx(out["tokens_per_s"] * out["flops_per_token"] / 1e12)
-    # The phases are train_step's own profiler ranges; grad clip and the expert-bias update are components too.
+    # The phases are the step's own profiler ranges (train.phase); grad clip and the expert-bias update are
+    # components too.
     assert {"forward", "backward", "grad clip", "optimizer", "expert-bias update"} <= set(out["phases_ms"])
     assert out["phases_ms"]["forward"] > 0 and out["phases_ms"]["backward"] > 0
     components = out["components_ms"]

@@ -6,6 +6,7 @@ tests skip without a GPU (CI has none); `.ci/gpu` runs them on a machine that ha
     python -m pytest tests/test_cuda.py -q"""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -140,17 +141,18 @@ def test_fused_head_loss_on_cuda(autocast, chunk_rows, monkeypatch):
 
 @needs_cuda
 def test_training_steps_on_cuda_reduce_the_loss():
-    """train.train_step as train.py runs it on one GPU: bf16 autocast, fused AdamW, clipping, the expert-bias
+    """bench.train_step, train.py's step as it runs on one GPU: bf16 autocast, fused AdamW, clipping, the expert-bias
     update; ten steps on one batch must lower its loss, and nothing may turn non-finite."""
     tc = train.TrainConfig(global_batch=2, micro_batch=2, seq_len=256, lr=3e-3)
     model = parallel.build_model(CFG, parallel.Layout(1), None, CUDA)
     optimizer = parallel.build_optimizer(model, tc)
     assert all(group.get("fused") for group in optimizer.param_groups)
-    autocast, dtype = train.autocast_for(tc, CUDA)
-    assert dtype == torch.bfloat16
-    state = train.TrainState.fresh(model, CUDA)
-    losses = [train.train_step(model, optimizer, batch(), tc, autocast, state)["lm_loss"] for _ in range(10)]
-    assert state.skipped == 0
+    run = train.make_run(tc, CFG, 0, 1, CUDA)
+    assert run.dtype == torch.bfloat16
+    momentum_LE, steps = torch.zeros(len(model.moe_layers()), CFG.n_experts, device=CUDA), [0]
+    losses = [bench.train_step(model, optimizer, batch(), tc, run.autocast, momentum_LE, steps)["lm_loss"]
+              for _ in range(10)]
+    assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0] - 0.5, losses
 
 
@@ -201,7 +203,7 @@ def test_training_step_report_on_cuda_has_mfu(gpu_chosen, capsys):
                        "--warmup=1", "--iters=2", "--breakdown=false", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["device"] == torch.cuda.get_device_name() and out["peak_mem_gib"] > 0
-    peak = train.peak_tflops(CUDA)
+    peak = parallel.peak_tflops(CUDA)
     if peak is None:
         assert out["mfu"] is None
     else:

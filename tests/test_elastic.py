@@ -7,18 +7,22 @@ Each test launches train.py under torchrun as a user would and checks what the u
 resized job reads the same tokens and logs each step once; a second job never writes a directory a live job holds.
 """
 
+import errno
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import train
+import watch
 from test_resume import ENV, EXACT, LOSS_TOL, ROOT, args, last_rows, rows, run, run_here, started, tensors
 
 # FSDP groups of 2 ranks, experts split over both, as many replicas as the world holds: 1 on 2 ranks, 2 on 4.
@@ -97,29 +101,88 @@ def test_launcher_killed_alone_leaves_no_worker_and_the_relaunch_finishes_bitwis
     assert not (out / "lease.json").exists()  # given back at the end
 
 
-def test_a_second_job_waits_for_the_live_one_then_refuses_naming_it(corpus_dir, tmp_path, capsys):
+def test_a_second_job_waits_for_the_live_one_then_refuses_naming_it(corpus_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     with started(args(corpus_dir, out, "--steps=400", *ELASTIC), tmp_path / "log", nproc=2) as proc:
         wait_for_step(out, 1, proc)
         holder = json.loads((out / "lease.json").read_text())
         before = (out / "metrics.jsonl").stat().st_size
         t0 = time.time()
+        monkeypatch.setattr(watch, "LEASE_WAIT_S", 3)
         with pytest.raises(ValueError, match=f"--out_dir={out} is in use by another job \\(host "
-                                             f"{socket.gethostname()}, pid {holder['pid']}, last heartbeat at "):
-            train.main(*train.parse_args(args(corpus_dir, out, "--steps=400", "--lease_wait=3")))
+                                             f"{socket.gethostname()}, pid {holder['pid']}, heartbeat moving\\)"):
+            train.main(*train.parse_args(args(corpus_dir, out, "--steps=400")))
         assert 3 <= time.time() - t0 < 20
         assert proc.poll() is None and (out / "metrics.jsonl").stat().st_size > before  # the live job goes on
 
 
-def test_the_lease_of_a_job_that_is_gone_is_taken_over(corpus_dir, tmp_path, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "lease.json").write_text(json.dumps({"owner": "x", "host": socket.gethostname(), "pid": dead.pid,
-                                                     "beat": 7, "time": time.time()}))
+def test_the_lease_of_a_job_that_is_gone_is_taken_over(corpus_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(watch, "LEASE_STALE_S", 1)
+    (tmp_path / "lease.json").write_text(json.dumps({"owner": "x", "host": "node7", "pid": 12, "beat": 7}))
     stdout = run_here(args(corpus_dir, tmp_path, "--steps=1"), capsys)
-    assert f"lease of {tmp_path} taken over from host {socket.gethostname()} pid {dead.pid}, which is gone" in stdout
+    assert f"lease of {tmp_path} taken over from host node7 pid 12: unchanged for 1s" in stdout
     assert [r["step"] for r in rows(tmp_path)] == [1]
+
+
+@pytest.mark.parametrize("garbage", ["{}", "[1, 2]", '{"owner": 3, "pid": "abc"}', "\x00\xff"])
+def test_a_lease_file_of_garbage_ages_like_any_other(tmp_path, capsys, monkeypatch, garbage):
+    """Garbage in lease.json blocks nobody for good and raises no traceback: unchanged for LEASE_STALE_S, taken."""
+    monkeypatch.setattr(watch, "LEASE_STALE_S", 0.5)
+    (tmp_path / "lease.json").write_bytes(garbage.encode("latin-1"))
+    lease = watch.Lease(str(tmp_path))
+    lease.release()
+    said = capsys.readouterr().out
+    assert f"lease of {tmp_path} taken over from " in said and "unchanged for 0.5s" in said
+    assert not (tmp_path / "lease.json").exists()
+
+
+def test_a_live_job_with_this_hostname_and_a_pid_unknown_here_is_not_taken_over(tmp_path, monkeypatch):
+    """A job in another container of the same host name: its pid means nothing here; its moving heartbeat does."""
+    monkeypatch.setattr(watch, "LEASE_WAIT_S", 2)
+    other = subprocess.Popen([sys.executable, "-c", "pass"])
+    other.wait()  # a pid that names no process in this namespace
+    lease = tmp_path / "lease.json"
+    beating = threading.Event()
+
+    def beat():
+        n = 0
+        while not beating.wait(0.2):
+            n += 1
+            lease.write_text(json.dumps({"owner": "x", "host": socket.gethostname(), "pid": other.pid, "beat": n}))
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match=f"is in use by another job \\(host {socket.gethostname()}, pid "
+                                             f"{other.pid}, heartbeat moving\\)"):
+            watch.Lease(str(tmp_path))
+    finally:
+        beating.set()
+
+
+def test_a_full_disk_does_not_end_the_lease_heartbeat_and_a_lasting_one_stops_the_job(tmp_path, monkeypatch):
+    """One failed renewal (ENOSPC) is retried; renewals failing for LEASE_STALE_S / 2 stop the job before another
+    could judge its lease stale and write the same OUT_DIR."""
+    monkeypatch.setattr(watch, "LEASE_BEAT_S", 0.05)
+    monkeypatch.setattr(watch, "LEASE_STALE_S", 1.0)
+    stopped = []
+    monkeypatch.setattr(watch, "stop", lambda message, code=1: stopped.append(message) or time.sleep(3600))
+    write = watch.data.write_durably
+    full = {"until": time.monotonic() + 0.3}
+
+    def sometimes_full(path, text):
+        if time.monotonic() < full["until"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(path, text)
+    lease = watch.Lease(str(tmp_path))
+    monkeypatch.setattr(watch.data, "write_durably", sometimes_full)
+    time.sleep(0.6)  # the disk is full for 0.3 s, then has room again
+    beat = json.loads((tmp_path / "lease.json").read_text())["beat"]
+    time.sleep(0.3)
+    assert json.loads((tmp_path / "lease.json").read_text())["beat"] > beat and not stopped  # renewing again
+    full["until"] = math.inf
+    time.sleep(1.0)
+    assert stopped == [f"lease of {tmp_path} not renewed for 0.5s ({os.strerror(errno.ENOSPC)}): this job stops "
+                       f"before another one could take it over"]
+    lease.stopped.set()
 
 
 # --- elastic: a node dies, the job shrinks; it returns, the job grows back
@@ -144,6 +207,12 @@ def agent(argv: list[str], port: int, log: Path, host: bool = False) -> subproce
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def resumes(out: Path) -> list[tuple[int, str]]:
+    """(step, message) of each resume or restart event in metrics.jsonl."""
+    return [(r["step"], e["message"]) for r in rows(out) for e in r.get("events", ()) if e["name"] in ("resume",
+                                                                                                     "restart")]
+
+
 def wait_for(condition, procs, timeout: float = 120, what: str = ""):
     deadline = time.time() + timeout
     while not condition():
@@ -164,9 +233,9 @@ def test_a_node_dies_the_job_shrinks_it_returns_the_job_grows(uninterrupted, cor
     try:
         wait_for(lambda: max(last_rows(out), default=0) >= 3, [a, b], what="3 steps on 4 ranks")
         os.killpg(b.pid, signal.SIGKILL)  # the node dies: its agent and its workers
-        shrunk = lambda: any(r.get("resumed", {}).get("world_size") == [4, 2] for r in rows(out))  # noqa: E731
+        shrunk = lambda: any("world size 4 -> 2 ranks" in said for _, said in resumes(out))  # noqa: E731
         wait_for(shrunk, [a], what="the job to resume on 2 ranks")
-        resumed = next(r["step"] for r in rows(out) if r.get("resumed", {}).get("world_size") == [4, 2])
+        resumed = next(step for step, said in resumes(out) if "world size 4 -> 2 ranks" in said)
         wait_for(lambda: max(last_rows(out), default=0) >= resumed + 1, [a], what="a step on 2 ranks")
         c = agent(argv, port, tmp_path / "c.log")  # the node comes back
         assert a.wait(timeout=180) == 0 and c.wait(timeout=60) == 0, (tmp_path / "a.log").read_text()[-4000:]
@@ -176,12 +245,12 @@ def test_a_node_dies_the_job_shrinks_it_returns_the_job_grows(uninterrupted, cor
                 os.killpg(p.pid, signal.SIGKILL)
     logged = rows(out)
     assert [r["step"] for r in logged] == list(range(1, 13))  # each step once, none missing
-    worlds = [r["resumed"]["world_size"] for r in logged if "resumed" in r]
-    assert worlds == [[4, 2], [2, 4]], worlds
+    worlds = [said.split("world size ")[1].split(" ranks")[0] for _, said in resumes(out) if "world size" in said]
+    assert worlds == ["4 -> 2", "2 -> 4"], worlds
     ref = last_rows(uninterrupted)
     for r in logged:
         assert (r["tokens_sum"], r["lr"]) == (ref[r["step"]]["tokens_sum"], ref[r["step"]]["lr"]), r["step"]
         assert abs(r["lm_loss"] - ref[r["step"]]["lm_loss"]) <= LOSS_TOL, (r["step"], r["lm_loss"])
     said = (tmp_path / "a.log").read_text()
-    assert "world size changed: 4 -> 2 ranks" in said and "world size changed: 2 -> 4 ranks" in said
+    assert "world size 4 -> 2 ranks" in said and "world size 2 -> 4 ranks" in said
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in said  # set: no warning

@@ -3,12 +3,13 @@ status.json and the --on_event command.
 
     python -m pytest tests/test_health.py -q
 
-Each test runs train.py in this process on the tiny corpus with the drills a user rehearses with (--spike_at_step,
---nan_at_step) and checks what the user relies on. The reference for a skipped batch is a run whose loader itself
+Each test runs train.py in this process on the tiny corpus with the drills a user rehearses with (--drill=spike@N,
+nan@N) and checks what the user relies on. The reference for a skipped batch is a run whose loader itself
 leaves that batch out: a skipped spike, or a rolled back burst, must end bitwise as that run does.
 """
 
 import contextlib
+import errno
 import hashlib
 import io
 import itertools
@@ -26,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import data
 import train
+import watch
 from conftest import torchrun
 from test_resume import EXACT, args, rows, run_here, tensors, train_state
 
@@ -64,7 +66,7 @@ def assert_same_run(out: Path, ref: Path, final: int):
 
 def test_a_single_spike_is_skipped_as_if_its_batch_were_not_in_the_data(corpus_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "spiked"
-    stdout = run_here(args(corpus_dir, out, "--steps=9", "--ckpt_every=0", "--spike_at_step=6", *GUARD), capsys)
+    stdout = run_here(args(corpus_dir, out, "--steps=9", "--ckpt_every=0", "--drill=spike@6", *GUARD), capsys)
     spikes = [line for line in stdout.splitlines() if ": spike (" in line]
     assert len(spikes) == 1 and spikes[0].startswith("step 7: spike (loss ")
     assert "skipped with its batch (data step 6), 1 within 5 steps" in spikes[0]
@@ -79,7 +81,7 @@ def test_a_single_spike_is_skipped_as_if_its_batch_were_not_in_the_data(corpus_d
 
 # --- a burst: rolled back to the checkpoint before it, its data skipped; a restart keeps the skip
 
-BURST = ["--steps=12", "--ckpt_every=2", "--spike_at_step=7,9,10", "--spike_rollback=3", *GUARD]
+BURST = ["--steps=12", "--ckpt_every=2", "--drill=spike@7,9,10", "--spike_rollback=3", *GUARD]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +103,8 @@ def burst(corpus_dir, tmp_path_factory):
 def test_a_burst_of_spikes_rolls_back_once_and_skips_its_window(burst, corpus_dir, tmp_path, capsys, monkeypatch):
     out, stdout = burst
     events = [line.split(":")[0] for line in stdout.splitlines() if ": spike (" in line or "rolled back" in line]
-    assert events == ["step 8", "step 9", "step 9", "3 spikes within 5 steps, the first at step 8"]
-    assert (f"3 spikes within 5 steps, the first at step 8: rolled back to {out / 'checkpoints' / 'step_00000006'} "
+    assert events == ["step 8", "step 9", "step 9", "3 bad steps within 5 steps, the first at step 8"]
+    assert (f"3 bad steps within 5 steps, the first at step 8: rolled back to {out / 'checkpoints' / 'step_00000006'} "
             f"(rollback 1 of at most 5); data steps 7 to 10 are skipped") in stdout
     # Step 8 trained on data step 8 before the rollback; after it, data steps 7 to 10 are never read again.
     assert [r["data_step"] for r in rows(out)] == [0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15]
@@ -132,11 +134,12 @@ def test_a_rollback_survives_a_restart(burst, corpus_dir, tmp_path, capsys):
 
 def test_a_run_stopped_right_after_a_rollback_never_resumes_the_abandoned_checkpoints(burst, corpus_dir, tmp_path,
                                                                                     capsys):
-    """The run stops (NaN gradients) on the step after the rollback, before any checkpoint records it: the next launch
-    resumes step 6, not the abandoned step 8, meets the burst again, and ends as the run that never stopped."""
+    """The run stops (a burst of NaN steps, no rollback left) soon after the rollback, before any checkpoint records
+    it: the next launch resumes step 6, not the abandoned step 8, meets the burst again, and ends as the run that never
+    stopped."""
     out = tmp_path / "run"
-    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 8;"):
-        run_here(args(corpus_dir, out, *BURST, "--nan_at_step=11", "--max_bad_steps=1"), capsys)
+    with pytest.raises(watch.Stopped, match="^3 bad steps within 5 steps, the first at step 8, beyond --max_rollbac"):
+        run_here(args(corpus_dir, out, *BURST, "--drill=spike@7,9,10,nan@11,12,13", "--max_rollbacks=1"), capsys)
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000004", "step_00000006"]
     run_here(args(corpus_dir, out, *BURST), capsys)
     assert_same_run(out, burst[0], 12)
@@ -147,11 +150,12 @@ def test_a_launch_that_resumed_and_then_rolled_back_says_once_what_it_resumed_as
     it. The second launch resumes there, meets the burst and rolls back to step 6: metrics.jsonl says the launch
     resumed at step 2 in one record, not again after the rollback."""
     out = tmp_path / "run"
-    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 3;"):
-        run_here(args(corpus_dir, out, *BURST, "--nan_at_step=2", "--max_bad_steps=1"), capsys)
+    with pytest.raises(watch.Stopped, match="^1 bad steps within 5 steps, the first at step 3, beyond --max_rollbacks"):
+        run_here(args(corpus_dir, out, *BURST, "--drill=nan@2", "--spike_rollback=1", "--max_rollbacks=0"), capsys)
     assert os.listdir(out / "checkpoints") == ["step_00000002"]
     run_here(args(corpus_dir, out, *BURST), capsys)
-    assert [(r["step"], r["resumed"]["from_step"]) for r in rows(out) if "resumed" in r] == [(3, 2)]
+    resumed = [(r["step"], e["message"]) for r in rows(out) for e in r.get("events", []) if e["name"] == "resume"]
+    assert len(resumed) == 1 and resumed[0][0] == 3 and " at step 2, " in resumed[0][1]
 
 
 def test_every_rank_makes_the_same_decisions(burst, corpus_dir, tmp_path):
@@ -168,9 +172,8 @@ def test_every_rank_makes_the_same_decisions(burst, corpus_dir, tmp_path):
 
 
 def test_a_burst_beyond_max_rollbacks_stops_the_run_in_one_sentence(corpus_dir, tmp_path):
-    with pytest.raises(train.Stopped, match="^3 spikes within 5 steps, the first at step 8, call for rollback 1, "
-                                            "beyond --max_rollbacks=0; lower --lr or inspect data steps 7 to 10, then "
-                                            "resume with a larger --max_rollbacks$"):
+    with pytest.raises(watch.Stopped, match="^3 bad steps within 5 steps, the first at step 8, beyond --max_rollbacks"
+                                            "=0; lower --lr or inspect data steps 7 to 10, then resume$"):
         train.main(*train.parse_args(args(corpus_dir, tmp_path, *BURST, "--max_rollbacks=0")))
 
 
@@ -192,8 +195,7 @@ def test_a_checkpoint_whose_first_loss_jumps_is_not_trained_on(corpus_dir, tmp_p
     assert f"resumed from {damaged} at step 4" in stdout
     line = next(line for line in stdout.splitlines() if "looks damaged" in line)
     assert line.startswith("step 5, the first after loading the checkpoint of step 4, has loss ")
-    assert line.endswith(f"that checkpoint looks damaged and is not trained on; fell back to "
-                         f"{out / 'checkpoints' / 'step_00000002'}")
+    assert line.endswith(f"that checkpoint looks damaged; fell back to {out / 'checkpoints' / 'step_00000002'}")
     again = rows(out)
     assert [r["step"] for r in again] == list(range(1, 7))
     for r, w in zip(again[:4], original):  # steps 3 and 4 trained again from step 2, as they were first
@@ -213,21 +215,21 @@ def test_on_event_sees_each_drilled_event_once_and_status_json_says_where_the_ru
     command = f'echo "$NANOTITAN_EVENT $NANOTITAN_STEP $NANOTITAN_MESSAGE" >> {shlex.quote(str(heard))}'
     free = shutil.disk_usage(tmp_path).free
     frees = itertools.chain([free, free, 0, 0], itertools.repeat(free))  # nearly full at checkpoints 6 and 8
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=next(frees)))
-    save = train.checkpoint.save
+    monkeypatch.setattr(watch.shutil, "disk_usage", lambda path: SimpleNamespace(free=next(frees)))
+    save = watch.checkpoint.save
 
     def failing_at_10(root, step, *rest, **kwargs):
         if step == 10:
-            raise train.checkpoint.SaveFailed("writing step_00000010 failed (drill).")
+            raise watch.checkpoint.SaveFailed("writing step_00000010 failed (drill).")
         return save(root, step, *rest, **kwargs)
 
-    monkeypatch.setattr(train.checkpoint, "save", failing_at_10)
-    stdout = run_here(args(corpus_dir, out, *BURST, "--steps=14", "--async_ckpt=false", f"--on_event={command}"),
-                      capsys)
+    monkeypatch.setattr(watch.checkpoint, "save", failing_at_10)
+    stdout = run_here(args(corpus_dir, out, *BURST, "--steps=14", f"--on_event={command}"), capsys)
     assert f"on each event: {command}" in stdout
     first = heard.read_text().splitlines()
-    assert [" ".join(line.split()[:2]) for line in first] == [
-        "disk_nearly_full 6", "spike 8", "spike 9", "spike 9", "rollback 6", "checkpoint_failed 10", "finished 14"]
+    said = [" ".join(line.split()[:2]) for line in first]
+    said.remove("disk_nearly_full 6")  # said once checkpoint 6 is complete, in the background: before or after step 8
+    assert said == ["spike 8", "spike 9", "spike 9", "rollback 6", "checkpoint_failed 10", "finished 14"]
     for line in first:  # the message, whole, as the console said it
         assert line.split(" ", 2)[2] in stdout
     status = json.loads((out / "status.json").read_text())
@@ -244,25 +246,40 @@ def test_on_event_sees_each_drilled_event_once_and_status_json_says_where_the_ru
 
     heard_again = tmp_path / "heard_again"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with pytest.raises(train.Stopped, match="^1 non-finite steps in a row, the last at step 15;"):
-        run_here(args(corpus_dir, out, "--steps=16", "--nan_at_step=18", "--max_bad_steps=1",
+    with pytest.raises(watch.Stopped, match="^1 bad steps within 50 steps, the first at step 15, beyond"):
+        run_here(args(corpus_dir, out, "--steps=16", "--drill=nan@18", "--spike_rollback=1", "--max_rollbacks=0",
                       f"--on_event=echo $NANOTITAN_EVENT >> {shlex.quote(str(heard_again))}"), capsys)
     assert heard.read_text().splitlines() == first  # the first launch's command is not the restarted launch's
-    assert heard_again.read_text().splitlines() == ["restart", "stopped"]
+    assert heard_again.read_text().splitlines() == ["restart", "spike", "stopped"]
     status = json.loads((out / "status.json").read_text())
     assert (status["restarts"], status["step"], status["last_event"]["name"]) == (1, 14, "stopped")
 
 
 def test_a_failing_or_hanging_command_is_said_and_never_stops_the_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train, "EVENT_TIMEOUT_S", 1)
+    monkeypatch.setattr(watch, "EVENT_TIMEOUT_S", 1)
     out = tmp_path / "run"
     out.mkdir()
     for command, said in (("exit 3", "--on_event for spike failed (exit code 3); training goes on"),
                           ("sleep 30", "--on_event for spike failed (killed after 1s); training goes on")):
-        tc = train.TrainConfig(out_dir=str(out), on_event=command)
-        alerts = train.Alerts(SimpleNamespace(tc=tc, master=True))
+        events = watch.Events(str(out), True, [], command, {})
         started = time.time()
-        alerts.event("spike", 3, "step 3: spike")
+        events.event("spike", 3, "step 3: spike")
         assert time.time() - started < 1  # the command runs in the background
-        alerts.close()
+        events.close()
         assert said in capsys.readouterr().out
+
+
+def test_a_full_disk_at_a_log_step_is_said_once_and_the_run_goes_on(corpus_dir, tmp_path, capsys, monkeypatch):
+    """status.json cannot be written (ENOSPC) at any step: one line says so, the run finishes and metrics.jsonl,
+    appended to another file, holds every step."""
+    write = watch.data.write_durably
+
+    def full_for_status(path, text):
+        if path.endswith("status.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(path, text)
+    monkeypatch.setattr(watch.data, "write_durably", full_for_status)
+    stdout = run_here(args(corpus_dir, tmp_path, "--steps=4", "--log_every=1"), capsys)
+    said = [line for line in stdout.splitlines() if "status.json not written" in line]
+    assert said == [f"{tmp_path / 'status.json'} not written ({os.strerror(errno.ENOSPC)}); training goes on"]
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4] and not (tmp_path / "status.json").exists()

@@ -132,20 +132,26 @@ def test_resume_on_other_data_is_refused_unless_allowed_and_every_config_is_kept
                                                    f"pass --allow_changed=data to train on the new data from here "
                                                    f"on.")):
         train.main(*train.parse_args(args(other_data, out, "--steps=5")))
-    with pytest.raises(ValueError, match=re.escape(f"--seed=1 differs from the 0 of checkpoint {newest}, which fixes "
-                                                   f"the data order")):
+    with pytest.raises(ValueError, match=re.escape(f"--seed=1 differs from checkpoint {newest}'s 0, which fixes the "
+                                                   f"data order; resume with --seed=0")):
         train.main(*train.parse_args(args(corpus_dir, out, "--steps=5", "--seed=1")))
     moved = shutil.copytree(corpus_dir, tmp_path / "moved")  # the same data at another path is the same data
-    stdout = run_here(args(str(moved), out, "--steps=5", "--lr=2e-2"), capsys)
-    assert f"resuming {newest} with settings that differ from its own:\n  lr: 0.01 -> 0.02\n" in stdout
+    stdout = run_here(args(str(moved), out, "--steps=5", "--lr=2e-2", "--micro_batch=1", "--spike_threshold=8"), capsys)
+    assert (f"resuming {newest} with settings that differ from its own:\n  micro_batch: 2 -> 1\n  lr: 0.01 -> 0.02\n"
+            f"  spike_threshold: 10.0 -> 8.0\n") in stdout
+    shutil.rmtree(moved)
+    shutil.copytree(other_data, moved)  # the same path, other contents
+    with pytest.raises(ValueError, match=re.escape(f"--data={moved} is not the data checkpoint {out / 'checkpoints'}"
+                                                   f"/step_00000005 was trained on (its contents changed since; "
+                                                   f"restore them, or pass --allow_changed=data")):
+        train.main(*train.parse_args(args(str(moved), out, "--steps=6")))
     stdout = run_here(args(other_data, out, "--steps=6", "--allow_changed=data"), capsys)
     assert f"  data: '{moved}' -> '{other_data}'" in stdout and "resumed from" in stdout
-    # config.json holds the last launch's settings and the step they apply from; the earlier ones are kept in order.
+    # config.json holds the last launch's settings and the step they apply from; each checkpoint keeps its own.
     current = json.loads((out / "config.json").read_text())
-    history = [json.loads(line) for line in (out / "config_history.jsonl").read_text().splitlines()]
     assert (current["from_step"], current["train"]["data"]) == (5, other_data)
-    assert [(c["from_step"], c["train"]["data"], c["train"]["lr"]) for c in history] == [
-        (0, corpus_dir, 1e-2), (4, str(moved), 2e-2)]
+    saved = json.loads((out / "checkpoints" / "step_00000005" / "config.json").read_text())
+    assert (saved["train"]["data"], saved["train"]["lr"]) == (str(moved), 2e-2)
 
 
 def snapshot(out: Path) -> dict:
@@ -176,8 +182,7 @@ def test_default_checkpoints_bound_the_work_a_crash_loses(corpus_dir, tmp_path, 
     defaults = train.TrainConfig()
     assert 0 < defaults.ckpt_every <= 1000 and 0 < defaults.ckpt_minutes <= 60
     # --ckpt_minutes: rank 0's clock makes every rank save; here every step is due.
-    stdout = run_here(args(corpus_dir, tmp_path, "--steps=3", "--ckpt_every=0", "--ckpt_minutes=1e-9",
-                           "--async_ckpt=false"), capsys)
+    stdout = run_here(args(corpus_dir, tmp_path, "--steps=3", "--ckpt_every=0", "--ckpt_minutes=1e-9"), capsys)
     assert ckpts(tmp_path) == ["step_00000001", "step_00000002", "step_00000003"]
     for step in (1, 2, 3):
         assert f"checkpoint step_{step:08d} complete, " in stdout and "s after it began" in stdout
@@ -279,9 +284,7 @@ def test_damaged_newest_checkpoint_falls_back_or_names_the_file(finished, corpus
     checkpoint.verify(str(newest))  # rewritten whole by the resumed run
 
 
-@pytest.mark.parametrize("async_ckpt", [True, False], ids=["async", "sync"])
-def test_disk_full_during_a_save_is_one_line_and_the_run_goes_on(corpus_dir, tmp_path, capsys, monkeypatch,
-                                                                 async_ckpt):
+def test_disk_full_during_a_save_is_one_line_and_the_run_goes_on(corpus_dir, tmp_path, capsys, monkeypatch):
     write_item = dcp_filesystem._write_item
 
     def disk_full_in_the_second_save(transforms, stream, *rest):  # the save of step 4 fills the disk part-way
@@ -292,7 +295,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_run_goes_on(corpus_dir, tmp
 
     monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full_in_the_second_save)
     root = tmp_path / "checkpoints"
-    stdout = run_here(args(corpus_dir, tmp_path, "--steps=6", "--ckpt_every=2", f"--async_ckpt={async_ckpt}"), capsys)
+    stdout = run_here(args(corpus_dir, tmp_path, "--steps=6", "--ckpt_every=2"), capsys)
     assert re.search(re.escape(f"no space left on {root} (") + r"\d+\.\d MiB free\): " +
                      re.escape(f"checkpoint step_00000004 not written (its partial files are removed); the newest "
                                f"checkpoint is still {root / 'step_00000002'}. Training goes on."), stdout)
@@ -309,7 +312,7 @@ def test_disk_full_at_the_final_save_fails_in_one_line(corpus_dir, tmp_path, mon
                                                     r"checkpoint step_00000002 not "
                                                     r"written \(its partial files are removed\); the newest "
                                                     r"checkpoint is still none\.$"):
-        train.main(*train.parse_args(args(corpus_dir, tmp_path, "--steps=2", "--async_ckpt=false")))
+        train.main(*train.parse_args(args(corpus_dir, tmp_path, "--steps=2")))
     assert ckpts(tmp_path) == []
 
 
@@ -356,7 +359,7 @@ def test_extending_a_run_says_which_lr_schedule_it_follows(finished, corpus_dir,
 def test_readme_layouts_work_with_the_default_batch():
     for world, flags in ((2, ["--ep=2"]), (8, ["--dp_replicate=2", "--ep=4", "--global_batch=64"]), (1, [])):
         tc, overrides = train.parse_args(flags)
-        run = train.Run.on(tc, train.model_config(tc, overrides, 100277), 0, world, torch.device("cpu"))  # checks
+        run = train.make_run(tc, train.model_config(tc, overrides, 100277), 0, world, torch.device("cpu"))  # checks
         assert run.tc.micro_batch == tc.global_batch // world
 
 

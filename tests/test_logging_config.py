@@ -95,9 +95,10 @@ def wandb_history(run_file: str) -> list[dict]:
     return rows
 
 
-def test_wandb_offline_run_holds_metrics_jsonl_and_a_restart_continues_it(corpus_dir, tmp_path):
+def test_wandb_offline_run_holds_metrics_jsonl_and_a_restart_continues_it(corpus_dir, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional and not in requirements.txt")
-    launch_then_restart(corpus_dir, tmp_path, "--log_to=wandb", "--wandb_mode=offline")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    launch_then_restart(corpus_dir, tmp_path, "--log_to=wandb")
     run_id = (tmp_path / "wandb_run_id").read_text()
     run_files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / f"run-{run_id}.wandb")))
     assert len(run_files) == 2  # both launches wrote to the run whose id the first one saved
@@ -195,7 +196,7 @@ def test_readme_toml_configs_are_valid_runs(tmp_path):
         tc, overrides = train.parse_args([f"--config={path}"])
         cfg = train.model_config(tc, overrides, vocab_size=PRESETS[tc.preset].vocab_size)
         world = tomllib.loads(block).get("world_size", 1)
-        layout = train.Run.on(tc, cfg, 0, world, torch.device("cpu")).layout  # checked as train.py checks it
+        layout = train.make_run(tc, cfg, 0, world, torch.device("cpu")).layout  # checked as train.py checks it
     # The second is the Trinity Large seed run: 2,048 GPUs as 16 replicas of FSDP groups of 128, EP 8 in a node.
     assert (layout.world, layout.dp_replicate, layout.dp_shard, layout.ep) == (2048, 16, 128, 8)
     assert (tc.preset, tc.seq_len, tc.global_batch, tc.optimizer, tc.ac) == ("large", 8192, 12288, "muon", "full")
@@ -204,7 +205,7 @@ def test_readme_toml_configs_are_valid_runs(tmp_path):
 def test_only_rank_zero_writes_tensorboard(corpus_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    torchrun(2, "train.py", *run_args(corpus_dir, tmp_path, "--steps=1", "--log_to=tensorboard", "--async_ckpt=false"))
+    torchrun(2, "train.py", *run_args(corpus_dir, tmp_path, "--steps=1", "--log_to=tensorboard"))
     assert len(os.listdir(tmp_path / "tensorboard")) == 1  # one event file: rank 1 wrote none
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

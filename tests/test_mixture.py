@@ -13,6 +13,7 @@ import pytest
 
 import data
 import train
+import watch
 from conftest import TINY_MODEL_FLAGS, torchrun
 
 MEGATRON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron", "text_document")
@@ -44,7 +45,8 @@ def test_a_megatron_dataset_trains(tmp_path, capsys):
     masked as its index says, and the run says it has no validation set."""
     result = train.main(*train.parse_args(args(MEGATRON, tmp_path, "--steps=20")))
     rows = metrics(tmp_path)
-    assert f"no validation set in {MEGATRON} (a Megatron-LM dataset): validation is skipped" in capsys.readouterr().out
+    assert f"no validation set in {MEGATRON} (a Megatron-LM dataset, or prepared with --val_fraction=0): not " \
+           f"validated" in capsys.readouterr().out
     assert result["step"] == 20 and result["val_loss"] is None
     assert sum(r["loss"] for r in rows[-5:]) / 5 < rows[0]["loss"] - 3.0
     assert rows[-1]["epochs_by_source"] == {MEGATRON: round(20 * 8 / 88, 4)}  # 2,818 tokens: 88 windows of 33
@@ -59,7 +61,7 @@ def test_a_mixture_logs_its_tokens_loss_epochs_and_validation_by_source(corpus_d
     step's loss, and its epochs so far; every evaluation, each source's own validation loss and their mean. A phase
     that leaves a source out gives it no tokens and no loss; a source read more often than REPEATED_EPOCHS (4, here a
     quarter, to see it in a few steps) is warned about once."""
-    monkeypatch.setattr(train, "REPEATED_EPOCHS", 0.25)
+    monkeypatch.setattr(watch, "REPEATED_EPOCHS", 0.25)
     spec = f"{corpus_dir}:1,{csv_dir}:1,{MEGATRON}:2;4={csv_dir}:1,{MEGATRON}:3"
     loader = data.DataLoader(spec, seq_len=32, global_batch=8)
     train.main(*train.parse_args(args(spec, tmp_path, "--steps=7", "--eval_every=3")))
@@ -78,12 +80,11 @@ def test_a_mixture_logs_its_tokens_loss_epochs_and_validation_by_source(corpus_d
         assert set(by_source) == {corpus_dir, csv_dir}  # a Megatron-LM dataset has no val split
         assert row["val_loss"] == pytest.approx(sum(by_source.values()) / 2)
     said = capsys.readouterr().out
-    assert f"no validation set in {MEGATRON} (a Megatron-LM dataset): validation is skipped for it" in said
+    assert f"no validation set in {MEGATRON} (a Megatron-LM dataset, or prepared with --val_fraction=0)" in said
     repeats = [line for line in said.splitlines() if "(epochs)" in line]
     first = next(row for row in rows if row["epochs_by_source"][MEGATRON] > 0.25)
-    assert repeats == [f"warning: by step {first['step']}, {MEGATRON} has been read "
-                       f"{first['epochs_by_source'][MEGATRON]:.2f} times (epochs); data repeated more than 0.25 times "
-                       f"teaches little more: add data or lower its weight"]
+    assert repeats == [f"warning: {MEGATRON} has been read {first['epochs_by_source'][MEGATRON]:.2f} times (epochs): "
+                       f"add data or lower its weight"]
 
 
 def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(corpus_dir, csv_dir, tmp_path, capsys):
@@ -107,9 +108,9 @@ def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(c
     config = json.load(open(tmp_path / "config.json"))
     assert config["from_step"] == 3 and config["data"]["phases"] == {"0": {csv_dir: 0.25, str(copy): 0.75},
                                                                       "3": {csv_dir: 0.5, MEGATRON: 0.5}}
-    history = [json.loads(line) for line in open(tmp_path / "config_history.jsonl")]
-    assert [(c["from_step"], c["train"]["data"]) for c in history] == [(0, first), (2, same)]
-    assert history[0]["data"]["fingerprint"] == history[1]["data"]["fingerprint"] != config["data"]["fingerprint"]
+    kept = [json.load(open(tmp_path / "checkpoints" / f"step_0000000{n}" / "config.json")) for n in (2, 3)]
+    assert [c["train"]["data"] for c in kept] == [first, same]  # each checkpoint keeps the settings it was saved with
+    assert kept[0]["data"]["fingerprint"] == kept[1]["data"]["fingerprint"] != config["data"]["fingerprint"]
 
 
 def test_a_mixture_resumed_on_two_ranks_reads_and_logs_what_one_rank_did(corpus_dir, csv_dir, tmp_path):
@@ -118,7 +119,7 @@ def test_a_mixture_resumed_on_two_ranks_reads_and_logs_what_one_rank_did(corpus_
     spec = f"{corpus_dir}:3,{csv_dir}:1;2={csv_dir}:1,{MEGATRON}:1"
     train.main(*train.parse_args(args(spec, tmp_path / "whole", "--steps=3")))
     train.main(*train.parse_args(args(spec, tmp_path / "split", "--steps=2")))
-    torchrun(2, "train.py", *args(spec, tmp_path / "split", "--steps=3", "--async_ckpt=false"))
+    torchrun(2, "train.py", *args(spec, tmp_path / "split", "--steps=3"))
     whole = metrics(tmp_path / "whole")
     split = metrics(tmp_path / "split")
     assert [r["tokens_sum"] for r in split] == [r["tokens_sum"] for r in whole]
@@ -127,21 +128,15 @@ def test_a_mixture_resumed_on_two_ranks_reads_and_logs_what_one_rank_did(corpus_
     assert split[2]["val_loss_by_source"] == pytest.approx(whole[2]["val_loss_by_source"], rel=1e-4)
 
 
-def test_a_toml_config_gives_a_mixture_as_tables(corpus_dir, csv_dir, tmp_path, capsys):
-    """[train.data] holds PATH = WEIGHT entries, [train.data.STEP] tables one phase each: the mixture the flag
-    spells; anything else in it is one sentence."""
-    one = tmp_path / "one.toml"
-    one.write_text(f'[train.data]\n"{corpus_dir}" = 3\n"{csv_dir}" = 1\n')
+def test_a_toml_config_gives_a_mixture_as_the_flag_spells_it(corpus_dir, csv_dir, tmp_path, capsys):
+    """data = "PATH:WEIGHT,...;STEP=..." in [train]: the mixture the flag gives; a table there is one sentence."""
     phased = tmp_path / "phased.toml"
-    phased.write_text(f'[train.data.0]\n"{corpus_dir}" = 0.75\n"{csv_dir}" = 0.25\n\n'
-                      f'[train.data.120_000]\n"{csv_dir}" = 1\n')
-    for config, flag in ((one, f"{corpus_dir}:3,{csv_dir}:1"),
-                         (phased, f"{corpus_dir}:0.75,{csv_dir}:0.25;120000={csv_dir}")):
-        tc, _ = train.parse_args([f"--config={config}"])
-        assert data.Mixture(tc.data).identity() == data.Mixture(flag).identity()
-    bad = tmp_path / "bad.toml"
-    bad.write_text(f'[train.data]\n"{corpus_dir}" = "heavy"\n')
+    phased.write_text(f'[train]\ndata = "{corpus_dir}:0.75,{csv_dir}:0.25;120000={csv_dir}"\n')
+    tc, _ = train.parse_args([f"--config={phased}"])
+    assert data.Mixture(tc.data).identity() == data.Mixture(f"{corpus_dir}:3,{csv_dir}:1;120000={csv_dir}").identity()
+    table = tmp_path / "table.toml"
+    table.write_text(f'[train.data]\n"{corpus_dir}" = 3\n')
     with pytest.raises(SystemExit):
-        train.parse_args([f"--config={bad}"])
-    assert (f"--config={bad} sets train.data to a table that is neither PATH = WEIGHT entries nor tables of them by "
-            f"the step each phase starts at ([train.data.0], [train.data.120000]).") in capsys.readouterr().err
+        train.parse_args([f"--config={table}"])
+    assert f"--config={table} sets train.data to {{'{corpus_dir}': 3}}, which is not a valid str." in \
+        capsys.readouterr().err

@@ -261,7 +261,7 @@ def test_muon_beats_adamw_on_a_short_tiny_run(corpus_dir, tmp_path):
         tc, overrides = train.parse_args([
             f"--data={corpus_dir}", f"--out_dir={tmp_path / name}", "--seq_len=32", "--global_batch=4",
             "--micro_batch=2", "--steps=60", "--warmup_steps=2", "--log_every=20", "--eval_every=0",
-            "--eval_batches=4", "--sample_tokens=0", "--async_ckpt=false", *TINY_MODEL_FLAGS, *flags])
+            "--eval_batches=4", "--sample_tokens=0", *TINY_MODEL_FLAGS, *flags])
         val[name] = train.main(tc, overrides)["val_loss"]
     print(f"val loss after 60 steps: {val}")
     assert val["muon"] < val["adamw"] - 0.05

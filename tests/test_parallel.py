@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import bench
 import parallel
 import train
-from model import ModelConfig, Transformer
 from conftest import ranks_device, run_worker, torchrun
+from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_dense_layers=1, dense_hidden=128, n_heads=4, n_kv_heads=2,
@@ -37,8 +38,8 @@ GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM, BIAS_STEP = 16, 32, 3, 1e-2, 1.0, 1e-2
 ADAM_EPS = 1e-3
 
 # Each run: world size, Layout kwargs, micro_batch (1 or 2 on 8 ranks: 2 or 1 accumulation steps), and optionally
-# ac, compile (a torch.compile backend) and keep_gathered (train.py's --keep_gathered). train_step all-reduces across
-# HSDP replicas on the last micro-batch only: the layouts with dp_replicate > 1 and 2 micro-batches check that.
+# ac, compile (a torch.compile backend) and keep_gathered (train.py's --keep_gathered). train.py's step all-reduces
+# across HSDP replicas on the last micro-batch only: the layouts with dp_replicate > 1 and 2 micro-batches check that.
 RUNS = {
     "R1_S8_ep8": dict(world=8, layout=dict(dp_replicate=1, ep=8), micro_batch=1, keep_gathered=True),
     "R2_S4_ep4": dict(world=8, layout=dict(dp_replicate=2, ep=4), micro_batch=2),
@@ -69,9 +70,9 @@ def config(run=None):
 
 
 def train_steps(run, model, tokens):
-    """STEPS calls of train.train_step on this rank's slice of each global batch; returns the global losses, the
-    gradient norms and the global tokens per expert, per step, and the first step's full gradients (on CPU) as the
-    optimizer receives them: AdamW hides a wrongly scaled gradient, this does not."""
+    """STEPS calls of bench.train_step (train.py's step) on this rank's slice of each global batch; returns the global
+    losses, the gradient norms and the global tokens per expert, per step, and the first step's full gradients (on
+    CPU) as the optimizer receives them: AdamW hides a wrongly scaled gradient, this does not."""
     optimizer = parallel.build_optimizer(model, run.tc)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
@@ -82,14 +83,13 @@ def train_steps(run, model, tokens):
             record["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu().clone()
                                for n, p in model.named_parameters()}
     optimizer.register_step_pre_hook(keep_first_grads)
-    state = train.TrainState.fresh(model, run.device)
+    momentum_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, device=run.device)
     local_batch = GLOBAL_BATCH // run.layout.world
+    steps = [0]
     for step in range(STEPS):
-        state.step = step
         mine = tokens[step, run.rank * local_batch:(run.rank + 1) * local_batch]
-        out = train.train_step(model, optimizer, (mine[:, :-1], mine[:, 1:], torch.zeros_like(mine[:, 1:])), run.tc,
-                               run.autocast, state)
-        assert out["skipped"] is None
+        out = bench.train_step(model, optimizer, (mine[:, :-1], mine[:, 1:], torch.zeros_like(mine[:, 1:])), run.tc,
+                               run.autocast, momentum_LE, steps)
         record["loss"].append(out["loss"])
         record["grad_norm"].append(out["grad_norm"])
         record["counts"].append(out["counts_LE"].cpu())
@@ -103,7 +103,7 @@ def run_layout(name, init, tokens, rank, world, device):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0
-    run = train.Run.on(config(RUNS[name]), CFG, rank, world, device)  # checks the layout, as train.py does
+    run = train.make_run(config(RUNS[name]), CFG, rank, world, device)  # checks the layout, as train.py does
     layout = run.layout
     mesh = parallel.build_mesh(layout, device.type)
     model = parallel.build_model(CFG, layout, mesh, device, ac=run.tc.ac, compile=run.tc.compile)
@@ -176,7 +176,7 @@ def runs(tmp_path_factory, request):
     if device.type == "cuda":  # as the ranks run them (run_layout)
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
-    reference = train_steps(train.Run.on(config(), CFG, 0, 1, device), model, tokens)
+    reference = train_steps(train.make_run(config(), CFG, 0, 1, device), model, tokens)
     reference["state_dict"] = {k: v.cpu() for k, v in model.state_dict().items()}
     reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
     reference["device"] = device

@@ -101,15 +101,15 @@ def test_ranks_standing_by_change_nothing_in_the_plan():
 
 
 def measured_bytes(model, optimizer, tc, batch) -> dict:
-    """One train.train_step; the bytes of this rank's parameter shards, of its gradients (read in the optimizer's
-    pre-hook, where they all exist) and of its AdamW state after the step."""
+    """One bench.train_step (train.py's step); the bytes of this rank's parameter shards, of its gradients (read in
+    the optimizer's pre-hook, where they all exist) and of its AdamW state after the step."""
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     nbytes = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)  # noqa: E731
     seen = {}
     hook = optimizer.register_step_pre_hook(
         lambda opt, a, k: seen.update(grads=nbytes(p.grad for p in model.parameters() if p.grad is not None)))
-    state = train.TrainState.fresh(model, torch.device("cpu"))
-    train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), state)
+    momentum_LE = torch.zeros(len(model.moe_layers()), model.cfg.n_experts)
+    bench.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), momentum_LE, [0])
     hook.remove()
     return {"params": nbytes(model.parameters()), "grads": seen["grads"],
             "optimizer": nbytes(t for s in optimizer.state.values() for t in s.values() if t.numel() > 1)}
@@ -380,7 +380,8 @@ def test_the_fastest_layout_s_command_trains_what_was_planned(capsys, tmp_path, 
     (["--learning_rate=1"], "unknown flag --learning_rate; did you mean --lr?"),
     (["--grad_sync=last"], "unknown flag --grad_sync"),
     (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
-    (["--gpus=8", "--dp_replicate=2", "--dp_shard=3"], "--dp_replicate=2 x --dp_shard=3 is 6 ranks but 8 were launched"),
+    (["--gpus=8", "--dp_replicate=2", "--dp_shard=3"],
+     "--dp_replicate=2 x --dp_shard=3 is 6 ranks but 8 were launched"),
 ])
 def test_mistyped_or_out_of_range_flags_are_one_sentence(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -581,15 +582,15 @@ def traffic_worker(out: Path):
         tc = train.TrainConfig(global_batch=TRAFFIC_BATCH, micro_batch=TRAFFIC_MICRO, seq_len=SEQ, keep_gathered=keep)
         model = parallel.build_model(CFG, layout, parallel.build_mesh(layout, "cpu"), device)
         optimizer = parallel.build_optimizer(model, tc, fused=False)
-        state = train.TrainState.fresh(model, torch.device("cpu"))
+        momentum_LE, steps = torch.zeros(len(model.moe_layers()), CFG.n_experts), [0]
         S = layout.dp_shard
         counter = Collectives([rank % S + i * S for i in range(replicas)])
         losses = []
         for step in range(2):
             batch = bench.synthetic_batch(CFG.vocab_size, TRAFFIC_BATCH, SEQ, rank, world, step)
             with counter if step == 0 else torch.enable_grad():
-                losses.append(train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False),
-                                               state)["lm_loss"])
+                losses.append(bench.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False),
+                                               momentum_LE, steps)["lm_loss"])
         weights = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
         report[f"{replicas},{keep}"] = {"sent": dict(counter.sent), "losses": losses}
         if keep:
@@ -619,8 +620,8 @@ def muon_step_counted(world: int, device) -> dict:
             step()
     optimizer.step = counted_step
     batch = bench.synthetic_batch(CFG.vocab_size, TRAFFIC_BATCH, SEQ, dist.get_rank(), world, 0)
-    train.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False), train.TrainState.fresh(
-        model, torch.device("cpu")))
+    bench.train_step(model, optimizer, batch, tc, torch.autocast("cpu", enabled=False),
+                     torch.zeros(len(model.moe_layers()), CFG.n_experts), [0])
     return {"flops": flops.get_total_flops(), "sent": counter.sent[plan.MUON_A2A]}
 
 

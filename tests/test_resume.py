@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import checkpoint
 import data
 import train
+import watch
 from conftest import TINY_MODEL_FLAGS, crafted_metadata
 from model import ModelConfig, Transformer
 
@@ -132,7 +133,7 @@ def reference(corpus_dir, tmp_path_factory):
 
 def test_crash_restart_resumes_bitwise(reference, corpus_dir, tmp_path):
     out = tmp_path / "run"
-    code, stdout, err = run(args(corpus_dir, out, "--steps=20", "--ckpt_every=5", "--crash_at_step=12",
+    code, stdout, err = run(args(corpus_dir, out, "--steps=20", "--ckpt_every=5", "--drill=crash@12",
                                  *FOUR_RANKS), tmp_path / "log", nproc=4, restarts=1)
     assert code == 0, err[-4000:]
     assert "crash drill: rank 3 exits abruptly after step 12" in err
@@ -249,7 +250,7 @@ def test_sigterm_checkpoints_and_exits_zero_then_resumes(corpus_dir, tmp_path, c
 
 def test_watchdog_dumps_stacks_and_exits_3(corpus_dir, tmp_path):
     t0 = time.time()
-    code, _, err = run(args(corpus_dir, tmp_path, "--steps=5", "--stall_at_step=2", "--step_timeout=3"),
+    code, _, err = run(args(corpus_dir, tmp_path, "--steps=5", "--drill=stall@2", "--step_timeout=3"),
                        tmp_path / "log", timeout=90)
     assert code == 3, err[-4000:]
     assert time.time() - t0 < 60  # the stall itself would last 90 s
@@ -265,8 +266,8 @@ def test_main_inside_a_program_leaves_no_watchdog_or_signal_handlers(corpus_dir,
     signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     before = [signal.getsignal(s) for s in signals]
     threads = set(threading.enumerate())
-    flags = ["--nan_at_step=0", "--max_bad_steps=1"]
-    error = "non-finite steps in a row"
+    flags = ["--drill=nan@0", "--spike_rollback=1", "--max_rollbacks=0"]
+    error = "1 bad steps within 50 steps"
     if failure == "bad data":
         corpus_dir = shutil.copytree(corpus_dir, tmp_path / "data")
         manifest = data.load_manifest(str(corpus_dir))
@@ -274,10 +275,10 @@ def test_main_inside_a_program_leaves_no_watchdog_or_signal_handlers(corpus_dir,
         np.memmap(shard, np.dtype(manifest["dtype"]), "r+", offset=data.HEADER_BYTES)[:] = 200_000
         flags = []
         error = "holds token id 200000"
-    with pytest.raises((train.Stopped, data.DataError), match=error):
+    with pytest.raises((watch.Stopped, data.DataError), match=error):
         train.main(*train.parse_args(args(corpus_dir, tmp_path / "out", "--steps=2", *flags)))
     assert [signal.getsignal(s) for s in signals] == before
-    watchdogs = [t for t in threading.enumerate() if t not in threads and t.name.endswith("(_watch)")]
+    watchdogs = [t for t in threading.enumerate() if t not in threads and t.name.endswith("(watch)")]
     for t in watchdogs:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in watchdogs)

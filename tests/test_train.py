@@ -14,9 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import bench
 import data
 import parallel
 import train
+import watch
 from conftest import TINY_MODEL_FLAGS
 from model import ModelConfig, Transformer
 
@@ -128,7 +130,7 @@ def test_data_without_a_validation_set_trains_and_skips_validation(tmp_path, cap
     tc, overrides = train.parse_args(run_args(tmp_path / "data", tmp_path / "run", "--steps=2", "--eval_every=1"))
     result = train.main(tc, overrides)
     said = capsys.readouterr().out
-    assert f"no validation set in {tmp_path / 'data'} (prepared with --val_fraction=0): validation is skipped" in said
+    assert f"no validation set in {tmp_path / 'data'} (a Megatron-LM dataset, or prepared with --val_fraction=0" in said
     assert result["step"] == 2 and result["val_loss"] is None and "| val loss" not in said
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2 and not any("val_loss" in row for row in rows)
@@ -146,17 +148,17 @@ def test_model_that_cannot_fit_in_memory_is_an_error(corpus_dir, tmp_path, monke
 
 def test_non_finite_step_is_skipped_with_its_batch(corpus_dir, tmp_path):
     """The NaN step's batch is skipped data: step 2 is taken again on the next batch, and four updates are made."""
-    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1"))
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--drill=nan@1"))
     train.main(tc, overrides)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["data_step"] for r in rows] == [0, 2, 3, 4]
     assert rows[-1]["skipped_steps"] == 1 and all(math.isfinite(r["loss"]) for r in rows)
 
 
-def test_too_many_non_finite_steps_stop_the_run(corpus_dir, tmp_path):
-    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--nan_at_step=1",
-                                              "--max_bad_steps=1"))
-    with pytest.raises(RuntimeError, match="non-finite steps in a row, the last at step 2"):
+def test_a_burst_of_non_finite_steps_with_no_rollback_left_stops_the_run(corpus_dir, tmp_path):
+    tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path, "--steps=4", "--drill=nan@1,2",
+                                              "--max_rollbacks=0", "--spike_rollback=2"))
+    with pytest.raises(watch.Stopped, match="^2 bad steps within 50 steps, the first at step 2, beyond --max_rollb"):
         train.main(tc, overrides)
 
 
@@ -190,7 +192,7 @@ def test_closing_sample_is_shown_up_to_its_end_of_text(capsys):
 
 def test_validation_masks_documents_as_training_does():
     """evaluate gives the model the batch's document ids with --doc_mask (the default) and none without it, as
-    train_step does, so that val_loss is measured under the attention the model trains with."""
+    forward_backward does, so that val_loss is measured under the attention the model trains with."""
     seen = []
 
     class Model(torch.nn.Module):
@@ -210,21 +212,21 @@ def test_validation_masks_documents_as_training_does():
         seen.clear()
 
 
-# --- one train_step, as the loop calls it
+# --- one step, as the loop makes it
 
-# Two MoE layers after a dense one, 8 experts, a 128-token vocabulary: train_step in milliseconds.
+# Two MoE layers after a dense one, 8 experts, a 128-token vocabulary: a step in milliseconds.
 STEP_CFG = ModelConfig(vocab_size=128, dim=32, n_layers=3, n_dense_layers=1, dense_hidden=64, n_heads=2, n_kv_heads=1,
                        head_dim=16, window=8, max_seq_len=16, n_experts=8, top_k=2, expert_hidden=16)
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
 
 def step_setup(cfg: ModelConfig, **flags):
-    """(model, train.py's optimizer for it, a TrainConfig of 4 sequences of 16 tokens in one micro-batch, a fresh
-    TrainState)."""
+    """(model, train.py's optimizer for it, a TrainConfig of 4 sequences of 16 tokens in one micro-batch, a zero
+    balancing momentum)."""
     torch.manual_seed(0)
     model = Transformer(cfg)
     tc = train.TrainConfig(global_batch=4, micro_batch=4, seq_len=16, **flags)
-    return model, parallel.build_optimizer(model, tc), tc, train.TrainState.fresh(model, torch.device("cpu"))
+    return model, parallel.build_optimizer(model, tc), tc, torch.zeros(len(model.moe_layers()), cfg.n_experts)
 
 
 def random_batch(step: int):
@@ -238,17 +240,17 @@ def biases(model) -> torch.Tensor:
 
 
 def test_router_z_loss_reaches_the_gradient_the_optimizer_applies():
-    """With z_loss_coef > 0, each router's gradient that train_step hands the optimizer is that of lm loss + aux loss
-    + z-loss, the z-loss computed here from each MoE layer's input: coef * mean over tokens of logsumexp(router
+    """With z_loss_coef > 0, each router's gradient that forward_backward hands the optimizer is that of lm loss + aux
+    loss + z-loss, the z-loss computed here from each MoE layer's input: coef * mean over tokens of logsumexp(router
     logits)^2, summed over the MoE layers."""
     cfg = dataclasses.replace(STEP_CFG, z_loss_coef=1e-2)
-    model, optimizer, tc, state = step_setup(cfg, grad_clip=0.0)  # unclipped: the gradient as backward left it
+    model, optimizer, tc, momentum_LE = step_setup(cfg, grad_clip=0.0)  # unclipped: the gradient as backward left it
     reference = copy.deepcopy(model)
     handed = []
     optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: handed.extend(moe.router.weight.grad.clone() for moe in model.moe_layers()))
     batch = random_batch(0)
-    out = train.train_step(model, optimizer, batch, tc, NO_AUTOCAST, state)
+    out = bench.train_step(model, optimizer, batch, tc, NO_AUTOCAST, momentum_LE, [0])
 
     inputs_BTD = []  # each MoE layer's input, in layer order
     for moe in reference.moe_layers():
@@ -267,47 +269,14 @@ def test_router_z_loss_reaches_the_gradient_the_optimizer_applies():
         torch.testing.assert_close(got, router.grad, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("skipped, drill", [("non-finite", dict(grad_scale=math.nan)),
-                                             ("spike", dict(grad_scale=100.0, limits=(math.inf, 50.0)))])
-def test_skipped_step_leaves_the_training_state_bitwise_as_it_was(skipped, drill):
-    """After real steps have moved everything, a NaN drill step, or a spike (a gradient norm above its limit), leaves
-    every weight, every optimizer state tensor, each MoE layer's expert bias and the balancing momentum bitwise as they
-    were; it only counts one skipped step (a non-finite one also one in a row), and the next good step ends the run of
-    bad ones."""
-    model, optimizer, tc, state = step_setup(STEP_CFG)
-    names = {p: name for name, p in model.named_parameters()}
-
-    def snapshot() -> dict:
-        weights = {f"model.{key}": value for key, value in model.state_dict().items()}  # the expert biases too
-        moments = {f"optimizer.{names[p]}.{key}": value for p, s in optimizer.state.items() for key, value in s.items()}
-        return {key: value.clone() for key, value in (weights | moments).items()} | {"momentum": state.momentum.clone()}
-
-    for step in range(3):
-        state.step = step
-        train.train_step(model, optimizer, random_batch(step), tc, NO_AUTOCAST, state)
-    assert biases(model).abs().sum() > 0 and state.momentum.abs().sum() > 0
-    before = snapshot()
-    state.step = 3
-    out = train.train_step(model, optimizer, random_batch(3), tc, NO_AUTOCAST, state, **drill)
-    after = snapshot()
-    assert out["skipped"] == skipped and (state.skipped, state.bad_steps) == (1, int(skipped == "non-finite"))
-    assert after.keys() == before.keys() and any(key.startswith("optimizer.") for key in before)
-    for key, value in before.items():
-        assert torch.equal(after[key], value), f"{key} changed on a skipped step"
-    state.step = 4
-    assert train.train_step(model, optimizer, random_batch(4), tc, NO_AUTOCAST, state)["skipped"] is None
-    assert (state.skipped, state.bad_steps) == (1, 0)
-
-
 def test_bias_freeze_step_stops_the_bias_updates_exactly_there():
     """--bias_freeze_step=N: steps 0 .. N-1 (the loop's state.step, counted from 0) move the expert bias; step N and
     the steps after it leave it where it is."""
     freeze = 2
-    model, optimizer, tc, state = step_setup(STEP_CFG, bias_freeze_step=freeze)
+    model, optimizer, tc, momentum_LE = step_setup(STEP_CFG, bias_freeze_step=freeze)
     seen = [biases(model)]
     for step in range(freeze + 2):
-        state.step = step
-        train.train_step(model, optimizer, random_batch(step), tc, NO_AUTOCAST, state)
+        bench.train_step(model, optimizer, random_batch(step), tc, NO_AUTOCAST, momentum_LE, [step])
         seen.append(biases(model))
     moved = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
     assert moved == [True] * freeze + [False] * 2

@@ -4,7 +4,7 @@ collective the other waits in, from each rank's Flight Recorder, and every rank 
 
     python -m pytest tests/test_watch.py -q
 
-The verdicts themselves (train.slowest, train.hang_verdict) are pure functions, tested on built records for the cases
+The verdicts themselves (watch.slowest, watch.hang_verdict) are pure functions, tested on built records for the cases
 two ranks cannot show: eight ranks with a median, several process groups, a rank that sends no record."""
 
 import json
@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-import train
+import watch
 from conftest import TINY_MODEL_FLAGS, torchrun
 
 HOST = socket.gethostname()
@@ -28,7 +28,7 @@ def records(out_dir) -> list[dict]:
 
 
 def test_a_slow_rank_is_named_with_its_host(corpus_dir, tmp_path):
-    out = torchrun(2, *args(corpus_dir, tmp_path, "--steps=4", "--log_every=2", "--straggle_rank=1"))
+    out = torchrun(2, *args(corpus_dir, tmp_path, "--steps=4", "--log_every=2", "--drill=straggle@1"))
     assert f"straggler: rank 1 on {HOST} takes " in out and "above the other ranks' median" in out
     assert "straggler: rank 0" not in out
     logged = [r for r in records(tmp_path) if "slowest_rank" in r]
@@ -44,7 +44,7 @@ def test_a_hang_names_the_rank_that_never_reached_the_collective(corpus_dir, tmp
     """The stall drill hangs the last rank in step 2; both watchdogs fire, each rank writes its report, rank 0 names
     rank 1, both exit 3 and torchrun's restart finishes the run."""
     out = torchrun(2, "--max-restarts=1",
-                   *args(corpus_dir, tmp_path, "--steps=4", "--log_every=1", "--stall_at_step=2", "--step_timeout=3"))
+                   *args(corpus_dir, tmp_path, "--steps=4", "--log_every=1", "--drill=stall@2", "--step_timeout=3"))
     verdict = next(line for line in out.splitlines() if line.startswith("hang: "))
     assert verdict.startswith(f"hang: rank 1 ({HOST}) never reached gloo:"), verdict
     assert f"of process group 0 (ranks 0, 1), in which rank 0 ({HOST}) waits; each rank's stack and last collectives " \
@@ -66,18 +66,18 @@ def test_the_slowest_rank_is_named_against_the_median_of_the_others():
     times_RP = [[0.01, 0.5, 0.3] for _ in range(8)]
     times_RP[3] = [0.01, 0.5 * 1.1, 0.25]  # 10% slower, in a run with one rank 60% slower
     times_RP[6] = [0.31, 0.5, 0.0]  # a slow read: data 0.31 s, own time 0.81 s against 0.51 s
-    record, sentence = train.slowest(times_RP, hosts, threshold=0.2)
+    record, sentence = watch.slowest(times_RP, hosts, threshold=0.2)
     assert record["slowest_rank"] == 6 and record["slowest_vs_median"] == pytest.approx(0.3 / 0.51, abs=1e-4)
     assert record["data_s_ranks"][6] == 0.31 and record["wait_s_ranks"][3] == 0.25
     assert len(record["compute_s_ranks"]) == 8
     assert sentence == ("straggler: rank 6 on node1 takes 0.810s per step of its own (data 0.310s, compute 0.500s), "
                         "59% above the other ranks' median of 0.510s; they wait 0.300s per step for it")
     times_RP[6] = [0.01, 0.5, 0.3]
-    record, sentence = train.slowest(times_RP, hosts, threshold=0.2)
+    record, sentence = watch.slowest(times_RP, hosts, threshold=0.2)
     assert record["slowest_rank"] == 3 and sentence is None  # 10% is within the threshold
-    assert train.slowest(times_RP, hosts, threshold=0.05)[1].startswith("straggler: rank 3 on node0 takes 0.560s")
-    assert train.slowest(times_RP, hosts, threshold=0.0)[1] is None  # 0: never named
-    assert train.slowest(times_RP[:1], hosts, threshold=0.2) == ({"data_s_ranks": [0.01], "compute_s_ranks": [0.5],
+    assert watch.slowest(times_RP, hosts, threshold=0.05)[1].startswith("straggler: rank 3 on node0 takes 0.560s")
+    assert watch.slowest(times_RP, hosts, threshold=0.0)[1] is None  # 0: never named
+    assert watch.slowest(times_RP[:1], hosts, threshold=0.2) == ({"data_s_ranks": [0.01], "compute_s_ranks": [0.5],
                                                                   "wait_s_ranks": [0.3]}, None)
 
 
@@ -93,11 +93,11 @@ def test_the_hang_verdict_names_the_ranks_behind_in_each_group():
                           {"group": "2", "seq": 7, "op": "nccl:all_gather", "sizes": [[8]]}]),
                1: record("a", {"0": world, "2": {"ranks": [0, 1], "entered": 6, "completed": 6}}),
                2: record("b", {"0": world, "3": {"ranks": [2, 3], "entered": 7, "completed": 7}})}
-    assert train.hang_verdict(records, 4) == ("hang: rank 1 (a) never reached nccl:all_gather #7 of process group 2 "
+    assert watch.hang_verdict(records, 4) == ("hang: rank 1 (a) never reached nccl:all_gather #7 of process group 2 "
                                               "(ranks 0, 1), in which rank 0 (a) waits; rank 3 sent no record (stuck "
                                               "holding the interpreter, or gone)")
     even = {r: record("a", {"0": world}) for r in range(4)}
-    assert train.hang_verdict(even, 4) == "hang: no rank is behind another in a collective; read their stacks"
+    assert watch.hang_verdict(even, 4) == "hang: no rank is behind another in a collective; read their stacks"
     without = {0: {"host": "a", "error": "torch 2.4 has no Flight Recorder for gloo"}}
-    assert train.hang_verdict(without, 1) == ("hang: no rank is behind another in a collective; read their stacks "
+    assert watch.hang_verdict(without, 1) == ("hang: no rank is behind another in a collective; read their stacks "
                                               "(torch 2.4 has no Flight Recorder for gloo)")
