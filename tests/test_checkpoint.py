@@ -306,6 +306,28 @@ def test_a_checkpoint_without_checksums_is_damaged_unless_named(tmp_path, capsys
         load(str(newest), {"model": fresh, "optim": fresh_optim})
 
 
+def test_json_files_of_another_shape_are_a_damaged_checkpoint(tmp_path):
+    """A state.json or config.json that parses but is not the object a load reads is damage, not a traceback."""
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(str(root), step, {"model": model}, {"model": cfg})
+    newest = root / "step_00000002"
+    for name, text, why in [("state.json", "[]", "holds a JSON list, not an object"),
+                            ("state.json", '{"step": "2", "train": {}}', "lacks its integer step or its train state"),
+                            ("config.json", "3", "holds a JSON int, not an object")]:
+        shutil.rmtree(newest)
+        save(str(root), 2, {"model": model}, {"model": cfg})
+        (newest / name).write_text(text)
+        rewrite_metadata(newest, lambda *_: None)  # checksums recomputed: the file is as written
+        said = []
+        path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
+        assert path == str(root / "step_00000001")
+        assert said == [f"checkpoint {newest} is damaged: {newest / name} {why}. Skipping it, trying the previous "
+                        f"checkpoint."]
+
+
 def save_loop(root):
     """Worker for the kill test: a ~100 MB model saved over and over, every parameter equal to the step."""
     model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])
