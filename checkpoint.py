@@ -212,15 +212,19 @@ def verify(path: str, contents: bool = True, named: bool = False):
         # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
         needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
         for name, size in needed.items():
+            if os.path.basename(name) != name:  # DCP would read a tensor from any file a crafted .metadata names
+                raise bad(".metadata", f"names {name!r} as a data file, which is not a file of the checkpoint")
             file = os.path.join(path, name)
             have = os.path.getsize(file) if os.path.isfile(file) else None
             if have is None or have < size:
                 raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
-        checksums = read(CHECKSUMS) if os.path.isfile(os.path.join(path, CHECKSUMS)) or not named else {}
+        has_checksums = os.path.isfile(os.path.join(path, CHECKSUMS))
+        checksums = read(CHECKSUMS) if has_checksums else {}
         unchecked = sorted({"config.json", "state.json", ".metadata", *needed} - checksums.keys())
-        files = f"{', '.join(unchecked[:3])}{' ...' if len(unchecked) > 3 else ''}"
+        files = f"{', '.join(unchecked[:3])}{f' and {len(unchecked) - 3} more' if len(unchecked) > 3 else ''}"
         if unchecked and not named:
-            raise bad(CHECKSUMS, f"lists no sha256 of {files}")
+            why = f"lists no sha256 of {files}" if has_checksums else "is missing"
+            raise bad(CHECKSUMS, f"{why}; to load it unchecked, name this checkpoint itself")
         if unchecked and rank == 0:
             warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named; restore "
                           f"its {CHECKSUMS} to have it checked", stacklevel=2)

@@ -232,9 +232,10 @@ def test_a_crafted_metadata_runs_no_code_on_any_load_path(tmp_path, capsys):
     assert not created.exists()
 
 
-def test_a_bytes_entry_or_another_tensor_in_the_metadata_is_a_damaged_checkpoint(tmp_path, capsys):
+def test_a_crafted_metadata_of_allowed_classes_is_a_damaged_checkpoint(tmp_path, capsys):
     """A .metadata of allowed classes only, checksums recomputed: a tensor declared a bytes entry (DCP reads those with
-    a full pickle) runs no code on any load path, and one of another dtype is refused before any data is read."""
+    a full pickle) runs no code on any load path; one of another dtype, or data in another folder, is refused before
+    any data is read."""
     cfg = tiny_cfg()
     model, optim = make(cfg, seed=0)
     root = tmp_path / "ckpt"
@@ -272,6 +273,16 @@ def test_a_bytes_entry_or_another_tensor_in_the_metadata_is_a_damaged_checkpoint
         export_hf(str(crafted), str(tmp_path / "hf"))  # (it warns that the checkpoint records no tokenizer)
     assert not (tmp_path / "hf").exists()
 
+    def data_elsewhere(metadata, _):
+        for info in metadata.storage_data.values():
+            info.relative_path = os.path.join("..", "step_00000001", info.relative_path)
+    shutil.rmtree(crafted)
+    save(str(root), 2, {"model": model, "optim": optim}, {"model": cfg})
+    rewrite_metadata(crafted, data_elsewhere)
+    elsewhere = f"{crafted / '.metadata'} names '../step_00000001/__0_0.distcp' as a data file"
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=re.escape(elsewhere)):
+        load(str(crafted), {"model": Transformer(cfg)})
+
 
 def test_a_checkpoint_without_checksums_is_damaged_unless_named(tmp_path, capsys):
     """A deleted, empty or malformed checksums.json turns no check off: the checkpoint is damaged and the previous one
@@ -286,7 +297,9 @@ def test_a_checkpoint_without_checksums_is_damaged_unless_named(tmp_path, capsys
     flip_a_bit(newest, model.layers["1"].ffn.experts.gate_up_proj)
     checksums = newest / checkpoint.CHECKSUMS
     fresh, fresh_optim = make(cfg, seed=1)
-    for text, why in [(None, "is missing"), ("{}", "lists no sha256 of .metadata, __0_0.distcp, config.json ..."),
+    named = "; to load it unchecked, name this checkpoint itself"
+    for text, why in [(None, "is missing" + named),
+                      ("{}", "lists no sha256 of .metadata, __0_0.distcp, config.json and 1 more" + named),
                       ("[]", "holds a JSON list, not an object")]:
         checksums.unlink(missing_ok=True)
         if text is not None:
@@ -302,7 +315,7 @@ def test_a_checkpoint_without_checksums_is_damaged_unless_named(tmp_path, capsys
     assert capsys.readouterr().out.splitlines()[2].split()[:2] == ["2", "damaged"]
     checksums.unlink()
     with pytest.warns(UserWarning, match=f"^checkpoint {re.escape(str(newest))} has no sha256 of .metadata, "
-                                         f"__0_0.distcp, config.json ...: it loads unchecked, as it was named"):
+                                         f"__0_0.distcp, config.json and 1 more: it loads unchecked, as it was named"):
         load(str(newest), {"model": fresh, "optim": fresh_optim})
 
 

@@ -365,3 +365,18 @@ def test_a_bytes_entry_runs_no_code_on_resume_and_auto_falls_back(short_run, cor
     assert f"{damaged} Skipping it, trying the previous checkpoint." in out
     assert sorted(last_rows(tmp_path / "run")) == [4]  # from step 3 on
     assert not created.exists()
+
+
+def test_a_checkpoint_without_checksums_resumes_only_when_named(short_run, corpus_dir, tmp_path):
+    """Without its checksums.json a checkpoint is damaged to --resume=auto, but --resume=PATH of it loads, warning."""
+    root = tmp_path / "run" / "checkpoints"
+    unchecked = shutil.copytree(short_run / "checkpoints" / "step_00000003", root / "step_00000003")
+    (unchecked / "checksums.json").unlink()
+    code, _, err = run(args(corpus_dir, tmp_path / "run", "--steps=4", "--resume=auto"), tmp_path / "auto")
+    assert code == 2 and err.splitlines()[-1].startswith(f"error: none of the 1 complete checkpoints under {root} "
+                                                         f"loads"), err[-4000:]
+    code, _, err = run(args(corpus_dir, tmp_path / "named", "--steps=4", f"--resume={unchecked}"), tmp_path / "named")
+    assert code == 0, err[-4000:]
+    assert f"checkpoint {unchecked} has no sha256 of .metadata, __0_0.distcp, config.json and 1 more: it loads " \
+           f"unchecked" in err
+    assert sorted(last_rows(tmp_path / "named")) == [4]
