@@ -10,9 +10,12 @@ import subprocess
 import sys
 import sysconfig
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import data
 import parallel
@@ -59,22 +62,18 @@ def rewrite_metadata(ckpt, change):
     checksums as a crafter would: only the loader's own checks of the metadata stand guard."""
     with open(os.path.join(ckpt, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # a file this test suite wrote
-    change(metadata, sorted(glob.glob(os.path.join(ckpt, "*.distcp")))[0])
+    change(metadata, min(glob.glob(os.path.join(ckpt, "*.distcp"))))
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
-    checksums = {name: hashlib.sha256(open(os.path.join(ckpt, name), "rb").read()).hexdigest()
-                 for name in json.load(open(os.path.join(ckpt, "checksums.json")))}
-    with open(os.path.join(ckpt, "checksums.json"), "w") as f:
-        json.dump(checksums, f)
+    checksums = Path(ckpt) / "checksums.json"
+    checksums.write_text(json.dumps({name: hashlib.sha256((Path(ckpt) / name).read_bytes()).hexdigest()
+                                     for name in json.loads(checksums.read_text())}))
 
 
 def craft_bytes_entry(ckpt, key: str, creates: str):
     """Make tensor `key` of checkpoint `ckpt` a bytes entry, which DCP reads with a full pickle: crafted_metadata's
     pickle, appended to a .distcp file. Its metadata holds allowed classes only, and the entry the tensor's size and
     dtype, so a check of shapes alone lets it through."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
     def change(metadata, distcp):
         tensor = metadata.state_dict_metadata[key]
         entry = BytesStorageMetadata()
