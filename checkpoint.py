@@ -507,6 +507,7 @@ def load(path: str, state: dict, config: dict | None = None) -> dict:
 
 
 def _load(path: str, state: dict, config: dict | None, named: bool) -> dict:
+    """load() of complete checkpoint `path`; `named`: the user named it, so it may lack checksums (see verify)."""
     verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
     if config is not None:
