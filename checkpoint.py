@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -153,10 +153,11 @@ def _together(world: int, errors: tuple = (OSError,)):
 
 # DCP pickles .metadata, and pickle.load would call whatever a crafted file names: loading runs no code, as its metadata
 # holds these globals only (its dataclasses, torch's Size, layouts and dtypes, its path); any other damages the file.
+# Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none (the rest is JSON).
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                              "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -182,24 +183,31 @@ class _Reader(dcp.FileSystemReader):
         return metadata
 
 
-def verify(path: str, contents: bool = True):
+def verify(path: str, contents: bool = True, named: bool = False):
     """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file: missing, a .distcp shorter than its
-    tensors, bad JSON or .metadata, or (`contents`) a changed sha256. Every rank calls it, hashing every world-th."""
+    tensors, bad JSON or .metadata, without a sha256 in checksums.json, or (`contents`) a changed sha256. Every rank
+    calls it, hashing every world-th. `named`: the user named this very checkpoint, so files without a sha256 (deleted
+    checksums.json, or a checkpoint older than checksums) load unchecked, with a warning."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
     def read(name: str) -> dict:
         try:
-            return _read_json(path, name)
+            value = _read_json(path, name)
         except FileNotFoundError:
             raise bad(name, "is missing") from None
         except ValueError:
             raise bad(name, "is not valid JSON (truncated?)") from None
+        if not isinstance(value, dict):
+            raise bad(name, f"holds a JSON {type(value).__name__}, not an object")
+        return value
 
     rank, world = rank_world()
     with _together(world, (CorruptCheckpoint,)):
         read("config.json")
-        read("state.json")
+        state = read("state.json")
+        if not (isinstance(state.get("step"), int) and isinstance(state.get("train"), dict)):
+            raise bad("state.json", "lacks its integer step or its train state")
         try:
             storage = _Reader(path).read_metadata().storage_data
         except FileNotFoundError:
@@ -209,12 +217,23 @@ def verify(path: str, contents: bool = True):
         # Each file must reach the end of its last tensor: sorted by (file, end), the last end of each file stays.
         needed = dict(sorted((info.relative_path, info.offset + info.length) for info in storage.values()))
         for name, size in needed.items():
+            if os.path.basename(name) != name:  # DCP would read a tensor from any file a crafted .metadata names
+                raise bad(".metadata", f"names {name!r} as a data file, which is not a file of the checkpoint")
             file = os.path.join(path, name)
             have = os.path.getsize(file) if os.path.isfile(file) else None
             if have is None or have < size:
                 raise bad(name, "is missing" if have is None else f"is truncated ({have} bytes of {size})")
-        checksums = read(CHECKSUMS) if contents and os.path.isfile(os.path.join(path, CHECKSUMS)) else {}
-        for name in sorted(checksums)[rank::world]:
+        has_checksums = os.path.isfile(os.path.join(path, CHECKSUMS))
+        checksums = read(CHECKSUMS) if has_checksums else {}
+        unchecked = sorted({"config.json", "state.json", ".metadata", *needed} - checksums.keys())
+        files = f"{', '.join(unchecked[:3])}{f' and {len(unchecked) - 3} more' if len(unchecked) > 3 else ''}"
+        if unchecked and not named:
+            why = f"lists no sha256 of {files}" if has_checksums else "is missing"
+            raise bad(CHECKSUMS, f"{why}; to load it unchecked, name this checkpoint itself")
+        if unchecked and rank == 0:
+            warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named; restore "
+                          f"its {CHECKSUMS} to have it checked", stacklevel=2)
+        for name in sorted(checksums)[rank::world] if contents else []:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 raise bad(name, "is missing")
@@ -229,7 +248,7 @@ def load_latest(ckpt_root: str, state: dict, config=None, say=print,
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
-            return path, load(path, state, config)
+            return path, _load(path, state, config, named=False)
         except CorruptCheckpoint as e:
             say(f"{e} Skipping it, trying the previous checkpoint.")
     if complete:
@@ -472,11 +491,29 @@ def _check_config(path: str, saved_config: dict, config: dict):
                              f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
 
 
+def _expect_tensors(path: str, entries: dict, wanted: dict):
+    """Raise CorruptCheckpoint unless each of `wanted`'s tensors is, in .metadata `entries`, a tensor of its shape
+    and dtype: DCP reads any other entry (bytes) with a full pickle, which runs the code it names."""
+    for key, tensor in wanted.items():
+        entry = entries[key]
+        is_tensor = type(entry) is TensorStorageMetadata and isinstance(getattr(entry, "size", None), torch.Size)
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if not (is_tensor and entry.size == tensor.shape and dtype == tensor.dtype):
+            what = f"a {dtype} tensor of shape {tuple(entry.size)}" if is_tensor else f"a {type(entry).__name__}"
+            raise CorruptCheckpoint(f"checkpoint {path} is damaged: its .metadata holds {key} as {what}, where a "
+                                    f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is expected.")
+
+
 def load(path: str, state: dict, config: dict | None = None) -> dict:
     """Load checkpoint `path` (or a root's newest) in place into state's "model", "optim" and "train" tensors, any
     layout, on every rank; return the train state's other values. `config`: refuse another architecture."""
-    path = _resolve(path)
-    verify(path)  # every file as it was written, or every rank raises CorruptCheckpoint
+    resolved = _resolve(path)
+    return _load(resolved, state, config, named=resolved == path)
+
+
+def _load(path: str, state: dict, config: dict | None, named: bool) -> dict:
+    """load() of complete checkpoint `path`; `named`: the user named it, so it may lack checksums (see verify)."""
+    verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
     if config is not None:
         _check_config(path, _read_json(path, "config.json"), config)
@@ -493,11 +530,7 @@ def load(path: str, state: dict, config: dict | None = None) -> dict:
                 "was it saved from another model?")
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this run needs, e.g. "
                          f"{', '.join(missing[:3])}; {hint}.")
-    wrong = [f"{k} {tuple(saved_meta[k].size)} in the checkpoint vs {tuple(v.shape)} now"
-             for k, v in wanted.items() if tuple(saved_meta[k].size) != tuple(v.shape)]
-    if wrong:
-        raise ValueError(f"checkpoint {path} holds tensors of other shapes ({'; '.join(wrong[:3])}); "
-                         f"resume with the checkpoint's model config.")
+    _expect_tensors(path, saved_meta, wanted)
     try:
         dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointException as e:  # files whole but unreadable; every rank raises it (DCP gathers failures)
@@ -534,7 +567,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
     root's newest), a shard in memory at a time, beside out_dir, moved there once complete; returns the checkpoint."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     _refuse_export_dir(out_dir, path, overwrite)
-    verify(path)  # a damaged checkpoint is one sentence, before anything is written
+    verify(path, named=path == ckpt_path)  # a damaged checkpoint is one sentence, before anything is written
     tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
     enc = None if tokenizer is None else data.get_encoding(tokenizer)
     if enc is None:
@@ -545,11 +578,13 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
                          f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
     meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
             if n.startswith("model.")}
-    names = list(meta_model(cfg).state_dict())
+    expected = meta_model(cfg).state_dict()
+    names = list(expected)
     missing = [n for n in names if n not in meta]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
                          f"e.g. {', '.join(missing[:3])}.")
+    _expect_tensors(path, meta, expected)
     nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
     shards = [[]]
     for n in names:
@@ -668,9 +703,10 @@ def sampling_model(path: str, device: torch.device):
         load_hf_into(model, path)
         tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     else:
+        given = path  # a checkpoint the user names loads without checksums, with a warning; a root's newest does not
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
-        load(path, {"model": model})
+        load(given, {"model": model})
         tokenizer = saved.get("tokenizer", {}).get("source")  # the data's, as export_hf reads it
     if not tokenizer:
         return model.eval(), None, f"{path} names no tokenizer"

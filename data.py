@@ -646,6 +646,10 @@ def merge(out_dir: str, quiet: bool = False) -> dict:
             _require(value == settings[0].get(key), f"{name} and {names[0]} come from different preparations ({key} "
                      f"{value!r} against {settings[0].get(key)!r}); prepare every part with the same inputs and "
                      f"flags, into an --out_dir that holds no other preparation's parts")
+    for name, part in zip(names, parts):  # a copy of a part under another name would count its shards twice
+        _require(part["part"] == int(PART_NAME.fullmatch(name)[1]) < part["parts"], f"{os.path.join(out_dir, name)} "
+                 f"holds part {part['part']} of a {part['parts']}-part preparation, not the part its name says; remove "
+                 f"that copy, then merge")
     missing = sorted(set(range(parts[0]["parts"])) - {part["part"] for part in parts})
     _require(not missing, f"{out_dir} lacks {len(missing)} of its {parts[0]['parts']} parts (part "
              f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}), not prepared yet or cut short; "
@@ -696,7 +700,12 @@ def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is not a nanotitan manifest ({type(e).__name__}: {e}); {fix}") from None
     _require(version == VERSION, f"{path} has format version {version} but this data.py reads version {VERSION}; {fix}")
+    # Tokens are unsigned integers: numpy would memory-map an "object" dtype, reading the file's bytes as pointers.
+    _require(manifest["dtype"] in ("uint16", "uint32"), f"{path} has token dtype {manifest['dtype']!r}, not uint16 or "
+             f"uint32; {fix}")
     for shard in shards:
+        _require(os.path.basename(shard["file"]) == shard["file"], f"{path} lists shard {shard['file']!r}, which is "
+                 f"not a file name inside {data_dir}; {fix}")
         shard_path = os.path.join(data_dir, shard["file"])
         _require(os.path.isfile(shard_path), f"shard {shard_path} listed in the manifest is missing; {fix}")
         with open(shard_path, "rb") as f:

@@ -1,6 +1,8 @@
 """Shared fixtures: a small prepared corpus and the flags of a model small enough for many short CPU runs."""
 
 import glob
+import hashlib
+import json
 import os
 import pickle
 import signal
@@ -8,9 +10,12 @@ import subprocess
 import sys
 import sysconfig
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import data
 import parallel
@@ -50,6 +55,37 @@ def crafted_metadata(creates: str) -> bytes:
             return open, (creates, "w")
 
     return pickle.dumps(CreatesAFile())
+
+
+def rewrite_metadata(ckpt, change):
+    """Rewrite checkpoint `ckpt`'s .metadata as change(metadata, its first .distcp file) leaves it, recomputing the
+    checksums as a crafter would: only the loader's own checks of the metadata stand guard."""
+    with open(os.path.join(ckpt, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # a file this test suite wrote
+    change(metadata, min(glob.glob(os.path.join(ckpt, "*.distcp"))))
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    checksums = Path(ckpt) / "checksums.json"
+    checksums.write_text(json.dumps({name: hashlib.sha256((Path(ckpt) / name).read_bytes()).hexdigest()
+                                     for name in json.loads(checksums.read_text())}))
+
+
+def craft_bytes_entry(ckpt, key: str, creates: str):
+    """Make tensor `key` of checkpoint `ckpt` a bytes entry, which DCP reads with a full pickle: crafted_metadata's
+    pickle, appended to a .distcp file. Its metadata holds allowed classes only, and the entry the tensor's size and
+    dtype, so a check of shapes alone lets it through."""
+    def change(metadata, distcp):
+        tensor = metadata.state_dict_metadata[key]
+        entry = BytesStorageMetadata()
+        entry.size, entry.properties = tensor.size, tensor.properties
+        metadata.state_dict_metadata[key] = entry
+        payload = crafted_metadata(creates)
+        offset = os.path.getsize(distcp)
+        with open(distcp, "ab") as f:
+            f.write(payload)
+        metadata.storage_data[MetadataIndex(key)] = _StorageInfo(os.path.basename(distcp), offset, len(payload))
+
+    rewrite_metadata(ckpt, change)
 
 
 def run_worker(fn, *args):

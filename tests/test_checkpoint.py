@@ -28,7 +28,7 @@ import torch.nn as nn
 
 import checkpoint
 from checkpoint import export_hf, hf_config, latest, load, load_hf_into, save, to_hf_state_dict
-from conftest import crafted_metadata, run_worker
+from conftest import craft_bytes_entry, crafted_metadata, rewrite_metadata, run_worker
 from model import ModelConfig, Transformer
 
 # DCP warns on every single-process call; checkpoint.py silences it, pytest's per-test filters bring it back.
@@ -230,6 +230,115 @@ def test_a_crafted_metadata_runs_no_code_on_any_load_path(tmp_path, capsys):
     assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
                                                                                        ["2", "damaged"]]
     assert not created.exists()
+
+
+def test_a_crafted_metadata_of_allowed_classes_is_a_damaged_checkpoint(tmp_path, capsys):
+    """A .metadata of allowed classes only, checksums recomputed: a tensor declared a bytes entry (DCP reads those with
+    a full pickle) runs no code on any load path; one of another dtype, or data in another folder, is refused before
+    any data is read."""
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(str(root), step, {"model": model, "optim": optim}, {"model": cfg})
+    crafted = root / "step_00000002"
+    created = tmp_path / "created_by_the_pickle"
+    craft_bytes_entry(crafted, "model.embed.weight", str(created))
+    message = (f"checkpoint {crafted} is damaged: {crafted / '.metadata'} cannot be read (it names torch.distributed."
+               f"checkpoint.metadata.BytesStorageMetadata, which DCP's metadata never holds).")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="^" + re.escape(message) + "$"):
+        load(str(crafted), {"model": Transformer(cfg)})
+    said = []
+    path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
+    assert path == str(root / "step_00000001") and said == [f"{message} Skipping it, trying the previous checkpoint."]
+    for argv in (["sample", str(crafted), "--prompt_ids=1,2", "--device=cpu"],
+                 ["export", str(crafted), str(tmp_path / "hf")]):
+        assert checkpoint.main(argv) == 2
+        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
+    assert checkpoint.main(["ls", str(root)]) == 0
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
+                                                                                       ["2", "damaged"]]
+    assert not created.exists()
+
+    def float64_embedding(metadata, _):
+        metadata.state_dict_metadata["model.embed.weight"].properties.dtype = torch.float64
+    shutil.rmtree(crafted)
+    save(str(root), 2, {"model": model, "optim": optim}, {"model": cfg})
+    rewrite_metadata(crafted, float64_embedding)
+    message = (f"checkpoint {crafted} is damaged: its .metadata holds model.embed.weight as a torch.float64 tensor of "
+               f"shape (256, 64), where a torch.float32 tensor of shape (256, 64) is expected.")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="^" + re.escape(message) + "$"):
+        load(str(crafted), {"model": Transformer(cfg)})
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=re.escape(message.replace("model.embed", "embed"))):
+        export_hf(str(crafted), str(tmp_path / "hf"))  # (it warns that the checkpoint records no tokenizer)
+    assert not (tmp_path / "hf").exists()
+
+    def data_elsewhere(metadata, _):
+        for info in metadata.storage_data.values():
+            info.relative_path = os.path.join("..", "step_00000001", info.relative_path)
+    shutil.rmtree(crafted)
+    save(str(root), 2, {"model": model, "optim": optim}, {"model": cfg})
+    rewrite_metadata(crafted, data_elsewhere)
+    elsewhere = f"{crafted / '.metadata'} names '../step_00000001/__0_0.distcp' as a data file"
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=re.escape(elsewhere)):
+        load(str(crafted), {"model": Transformer(cfg)})
+
+
+def test_a_checkpoint_without_checksums_is_damaged_unless_named(tmp_path, capsys):
+    """A deleted, empty or malformed checksums.json turns no check off: the checkpoint is damaged and the previous one
+    loads; named explicitly, it loads unchecked with a warning."""
+    cfg = tiny_cfg()
+    model, optim = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    save(str(root), 1, {"model": model, "optim": optim}, {"model": cfg})
+    train_steps(model, optim, 1)
+    save(str(root), 2, {"model": model, "optim": optim}, {"model": cfg})
+    newest = root / "step_00000002"
+    flip_a_bit(newest, model.layers["1"].ffn.experts.gate_up_proj)
+    checksums = newest / checkpoint.CHECKSUMS
+    fresh, fresh_optim = make(cfg, seed=1)
+    named = "; to load it unchecked, name this checkpoint itself"
+    for text, why in [(None, "is missing" + named),
+                      ("{}", "lists no sha256 of .metadata, __0_0.distcp, config.json and 1 more" + named),
+                      ("[]", "holds a JSON list, not an object")]:
+        checksums.unlink(missing_ok=True)
+        if text is not None:
+            checksums.write_text(text)
+        said = []
+        path, _ = checkpoint.load_latest(str(root), {"model": fresh, "optim": fresh_optim}, say=said.append)
+        assert path == str(root / "step_00000001")
+        assert said == [f"checkpoint {newest} is damaged: {checksums} {why}. Skipping it, trying the previous "
+                        f"checkpoint."]
+        with pytest.raises(checkpoint.CorruptCheckpoint, match=re.escape(why)):
+            load(str(root), {"model": fresh, "optim": fresh_optim})  # the root's newest: not named
+    assert checkpoint.main(["ls", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:2] == ["2", "damaged"]
+    checksums.unlink()
+    with pytest.warns(UserWarning, match=f"^checkpoint {re.escape(str(newest))} has no sha256 of .metadata, "
+                                         f"__0_0.distcp, config.json and 1 more: it loads unchecked, as it was named"):
+        load(str(newest), {"model": fresh, "optim": fresh_optim})
+
+
+def test_json_files_of_another_shape_are_a_damaged_checkpoint(tmp_path):
+    """A state.json or config.json that parses but is not the object a load reads is damage, not a traceback."""
+    cfg = tiny_cfg()
+    model, _ = make(cfg, seed=0)
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(str(root), step, {"model": model}, {"model": cfg})
+    newest = root / "step_00000002"
+    for name, text, why in [("state.json", "[]", "holds a JSON list, not an object"),
+                            ("state.json", '{"step": "2", "train": {}}', "lacks its integer step or its train state"),
+                            ("config.json", "3", "holds a JSON int, not an object")]:
+        shutil.rmtree(newest)
+        save(str(root), 2, {"model": model}, {"model": cfg})
+        (newest / name).write_text(text)
+        rewrite_metadata(newest, lambda *_: None)  # checksums recomputed: the file is as written
+        said = []
+        path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
+        assert path == str(root / "step_00000001")
+        assert said == [f"checkpoint {newest} is damaged: {newest / name} {why}. Skipping it, trying the previous "
+                        f"checkpoint."]
 
 
 def save_loop(root):

@@ -10,8 +10,10 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,6 +348,19 @@ def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
     assert same_files(tmp_path / "whole", out)
 
 
+def test_merge_refuses_an_extra_copy_of_a_part(tmp_path):
+    """A part's manifest copied under another part's name (5 parts of a 4-part preparation) would count its shards
+    twice: the merge refuses it in one sentence."""
+    write_corpus(tmp_path / "corpus", n_docs=30)
+    out = tmp_path / "out"
+    parts = prepare([str(tmp_path / "corpus")], str(out), part_bytes=3000, workers=1, quiet=True)["parts"]
+    shutil.copy(out / "part_000000.json", out / f"part_{parts:06d}.json")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(out / f'part_{parts:06d}.json'))} holds part 0 of a "
+                                        rf"{parts}-part preparation, not the part its name says; remove that copy, "
+                                        rf"then merge$"):
+        data.merge(str(out))
+
+
 def test_shard_flag_is_checked(tmp_path, capsys):
     assert data._parse_args(["in.txt", "--shard=3/1000"]).shard == (3, 1000)
     with pytest.raises(SystemExit):
@@ -512,6 +527,26 @@ def test_manifest_and_shard_validation(fake, tmp_path):
             DataLoader(fake)
     os.remove(shard)
     with pytest.raises(DataError, match="train_000001.bin listed in the manifest is missing; run `python data.py"):
+        load_manifest(fake)
+
+
+def test_a_manifest_names_unsigned_tokens_and_shards_inside_its_directory(fake, tmp_path):
+    """numpy memory-maps an "object" dtype, which would read a shard's bytes as pointers; a shard elsewhere is not the
+    data set's."""
+    manifest = json.loads((Path(fake) / "manifest.json").read_text())
+    shard = Path(fake) / "train_000000.bin"
+    raw = shard.read_bytes()  # 8 bytes a token, as an object dtype says
+    shard.write_bytes(raw[:12] + (8).to_bytes(4, "little") + raw[16:128] + raw[128:] + raw[128:])
+    for split in ("train", "val"):
+        manifest["splits"][split] = [s for s in manifest["splits"][split] if s["file"] == "train_000000.bin"]
+    (Path(fake) / "manifest.json").write_text(json.dumps({**manifest, "dtype": "object"}))
+    with pytest.raises(DataError, match="has token dtype 'object', not uint16 or uint32"):
+        load_manifest(fake)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(shard.with_name("train_000001.bin"), tmp_path / "elsewhere" / "train_000001.bin")
+    manifest["splits"]["train"] = [{"file": "../elsewhere/train_000001.bin", "tokens": 1500}]
+    (Path(fake) / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"lists shard '../elsewhere/train_000001.bin', which is not a file name"):
         load_manifest(fake)
 
 
@@ -748,6 +783,9 @@ def test_a_damaged_megatron_dataset_is_one_sentence(tmp_path):
         (b"MMIDIDY" + index[7:], tokens, r"text_document.idx is not a Megatron-LM index \(it starts b'MMIDIDY"),
         (index[:-8], tokens, r"text_document.idx is empty, truncated or corrupt: its header promises 154 sequences "
                              r"and 60 documents"),
+        (index[:26] + (2**40 + 1).to_bytes(8, "little") + index[34:], tokens,  # checked before any array is mapped
+         r"text_document.idx is empty, truncated or corrupt: its header promises 154 sequences and 1099511627776 "
+         r"documents \(8796093024098 bytes"),
         (index, None, r"text_document.idx has no .*text_document.bin beside it"),
     ]:
         open(prefix + ".idx", "wb").write(idx)

@@ -31,7 +31,7 @@ import checkpoint
 import data
 import train
 import watch
-from conftest import TINY_MODEL_FLAGS, crafted_metadata
+from conftest import TINY_MODEL_FLAGS, craft_bytes_entry, crafted_metadata
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -347,3 +347,37 @@ def test_resume_from_a_crafted_checkpoint_runs_no_code(short_run, corpus_dir, tm
     assert not created.exists()
     assert str(damaged.value) == (f"checkpoint {ckpt} is damaged: {ckpt / '.metadata'} cannot be read (it names "
                                   f"io.open, which DCP's metadata never holds).")
+
+
+def test_a_bytes_entry_runs_no_code_on_resume_and_auto_falls_back(short_run, corpus_dir, tmp_path):
+    """A checkpoint whose .metadata (allowed classes only, checksums recomputed) makes a tensor a bytes entry, which DCP
+    would read with a full pickle: --resume=PATH says it is damaged, --resume=auto resumes the previous one."""
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(short_run / "checkpoints" / "step_00000003", root / "step_00000003")
+    crafted = shutil.copytree(root / "step_00000003", root / "step_00000004")
+    created = tmp_path / "created_by_the_pickle"
+    craft_bytes_entry(crafted, "model.embed.weight", str(created))
+    damaged = (f"checkpoint {crafted} is damaged: {crafted / '.metadata'} cannot be read (it names torch.distributed."
+               f"checkpoint.metadata.BytesStorageMetadata, which DCP's metadata never holds).")
+    code, _, err = run(args(corpus_dir, tmp_path / "other", "--steps=5", f"--resume={crafted}"), tmp_path / "named")
+    assert code == 2 and err.splitlines()[-1] == f"error: {damaged}", err[-4000:]
+    code, out, err = run(args(corpus_dir, tmp_path / "run", "--steps=4", "--resume=auto"), tmp_path / "auto")
+    assert code == 0, err[-4000:]
+    assert f"{damaged} Skipping it, trying the previous checkpoint." in out
+    assert sorted(last_rows(tmp_path / "run")) == [4]  # from step 3 on
+    assert not created.exists()
+
+
+def test_a_checkpoint_without_checksums_resumes_only_when_named(short_run, corpus_dir, tmp_path):
+    """Without its checksums.json a checkpoint is damaged to --resume=auto, but --resume=PATH of it loads, warning."""
+    root = tmp_path / "run" / "checkpoints"
+    unchecked = shutil.copytree(short_run / "checkpoints" / "step_00000003", root / "step_00000003")
+    (unchecked / "checksums.json").unlink()
+    code, _, err = run(args(corpus_dir, tmp_path / "run", "--steps=4", "--resume=auto"), tmp_path / "auto")
+    assert code == 2 and err.splitlines()[-1].startswith(f"error: none of the 1 complete checkpoints under {root} "
+                                                         f"loads"), err[-4000:]
+    code, _, err = run(args(corpus_dir, tmp_path / "named", "--steps=4", f"--resume={unchecked}"), tmp_path / "named")
+    assert code == 0, err[-4000:]
+    assert f"checkpoint {unchecked} has no sha256 of .metadata, __0_0.distcp, config.json and 1 more: it loads " \
+           f"unchecked" in err
+    assert sorted(last_rows(tmp_path / "named")) == [4]
