@@ -677,8 +677,9 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
         hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
         total = sum(numel.values())
+        # What a killed export into out_dir left (none is running: this one holds the lock).
         for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.*tmp")):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed export into out_dir (none runs: we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
         old = os.path.join(parent, f".{base}.old")
         try:
@@ -764,7 +765,8 @@ def load_hf_into(model, hf_dir: str) -> int:
             raise ValueError(f"{hf_dir} lacks {len(missing)} tensors this config needs, e.g. {missing[:3]}; is it an "
                              f"afmoe model with the same number of layers and experts?")
         wrong = [f"{name} {tuple(on_disk[name].get_shape())} in the folder vs {_piece_shape(index)} here"
-                 for p in pieces.values() for name, index in p if tuple(on_disk[name].get_shape()) != _piece_shape(index)]
+                 for p in pieces.values() for name, index in p
+                 if tuple(on_disk[name].get_shape()) != _piece_shape(index)]
         if wrong:
             raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
                              f"of this model's config, or drop the flags that change it.")
