@@ -18,12 +18,14 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
     pending.wait()                                           # before the next save; pending.done(): written
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors}, config)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
+
+A Hugging Face folder is what transformers' save_pretrained writes (routed experts one tensor each, as published
+checkpoints); load_hf_into also reads the stacked experts transformers holds in memory (and earlier exports wrote).
 """
 
 import argparse
 import errno
 import fcntl
-import glob
 import hashlib
 import itertools
 import json
@@ -620,6 +622,25 @@ def _write_safetensors(path: str, tensors: dict):
                        *(tensors[name].contiguous().view(torch.uint8).numpy() for name in sorted(tensors)))
 
 
+def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: int) -> list[list]:
+    """`pieces` in files as save_pretrained splits them, in order: a new file where the next unit would pass
+    `max_bytes`; a unit over it alone in a file, placed before the one being filled. A unit is a tensor, or one
+    projection of a layer's routed experts: transformers cuts those from one tensor and keeps one storage's together."""
+    shards, filling, size = [], [], 0
+    for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
+        unit = list(unit)
+        nbytes = sum(numel[piece[0]] for piece in unit) * itemsize
+        if nbytes > max_bytes:
+            shards.append(unit)
+            continue
+        if size + nbytes > max_bytes:
+            shards.append(filling)
+            filling, size = [], 0
+        filling += unit
+        size += nbytes
+    return shards + ([filling] if filling else [])
+
+
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False, dtype: str = "bfloat16") -> str:
     """Write what transformers' save_pretrained writes for checkpoint `ckpt_path`'s (or a root's newest) model in
@@ -653,22 +674,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         pieces = [(hf, ours, index) for ours in sorted(names, key=lambda n: _natural(_hf_name(n)))
                   for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
         numel = {hf: math.prod(_piece_shape(index)) for hf, _, index in pieces}
-        # save_pretrained's split, in that order: a new file where the next unit would pass the limit; a unit over
-        # the limit alone in a file, placed before the one being filled. A unit is a tensor, or one projection of a
-        # layer's routed experts: transformers cuts those from one tensor, and keeps tensors of one storage together.
-        shards, filling, size = [], [], 0
-        for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
-            unit = list(unit)
-            nbytes = sum(numel[hf_name] for hf_name, _, _ in unit) * torch_dtype.itemsize
-            if nbytes > max_shard_bytes:
-                shards.append(unit)
-                continue
-            if size + nbytes > max_shard_bytes:
-                shards.append(filling)
-                filling, size = [], 0
-            filling += unit
-            size += nbytes
-        shards += [filling] if filling else []
+        shards = _save_pretrained_split(pieces, numel, torch_dtype.itemsize, max_shard_bytes)
         files = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
@@ -677,10 +683,11 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
         hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
         total = sum(numel.values())
-        # What a killed export into out_dir left (none is running: this one holds the lock).
-        for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.*tmp")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
+        # What killed exports into out_dir left (none is running: this one holds the lock); mkdtemp's part has no dot.
+        for name in os.listdir(parent):
+            if re.fullmatch(rf"\.{re.escape(base)}\.export\.[^.]+\.tmp", name):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=f".{base}.export.", suffix=".tmp", dir=parent)
         old = os.path.join(parent, f".{base}.old")
         try:
             for file, shard in zip(files, shards):
@@ -688,7 +695,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
                 dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
                 _write_safetensors(os.path.join(tmp, file),
                                    {hf_name: sd[f"model.{ours}"][index] for hf_name, ours, index in shard})
-                del sd
+                del sd  # before the next file's tensors are allocated
             if len(files) > 1:
                 index = {"metadata": {"total_parameters": total, "total_size": total * torch_dtype.itemsize},
                          "weight_map": {hf_name: file for file, shard in zip(files, shards) for hf_name, _, _ in shard}}
@@ -716,6 +723,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
 
 
 def _umask() -> int:
+    """This process's umask (reading it sets it: it is set back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
