@@ -11,7 +11,6 @@ This file is also the worker of the 2-rank test:
 
 import json
 import os
-import shutil
 import sys
 from dataclasses import replace
 
