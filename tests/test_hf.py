@@ -20,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import checkpoint
+import data
 import parallel
 from checkpoint import export_hf, hf_config, load_hf_into, save, to_hf_state_dict
 from conftest import run_worker, torchrun
@@ -108,7 +109,8 @@ def ep_worker(hf_dir: str, out_dir: str):
 
 def test_two_expert_parallel_ranks_load_their_own_experts_and_train(corpus_dir, tmp_path):
     """With --ep=2 each rank reads its half of the experts (and, FSDP-sharded, its half of every other weight's rows;
-    the unsharded expert bias whole): the ranks' bytes add up to the folder's plus one bias more."""
+    the unsharded expert bias whole: the ranks' bytes add up to the folder's plus one bias more) and computes
+    transformers' logits; train.py --init_from_hf --ep=2 starts at transformers' loss and trains."""
     cfg = tiny_cfg(vocab_size=100352, n_experts=8, top_k=2)  # cl100k_base's ids, for train.py on the corpus
     hf = published(cfg, tmp_path / "hf", max_shard_size=SHARD_BYTES)
     tokens = torch.randint(0, 100277, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -127,13 +129,20 @@ def test_two_expert_parallel_ranks_load_their_own_experts_and_train(corpus_dir, 
     assert ranks[0]["read"] + ranks[1]["read"] == total + bias
     print(f"bytes read: rank 0 {ranks[0]['read']:,}, rank 1 {ranks[1]['read']:,} of {total:,} in the folder")
 
+    # train.py from the folder: its first loss, before any update, is transformers' on the same batch (no document
+    # mask, so both see the same attention), then it trains.
     flags = [f"--data={corpus_dir}", f"--out_dir={tmp_path / 'run'}", "--seq_len=32", "--global_batch=4",
-             "--micro_batch=2", "--steps=3", "--log_every=1", "--eval_every=0", "--eval_batches=1",
-             "--sample_tokens=0", f"--init_from_hf={tmp_path / 'hf'}", "--ep=2"]
+             "--micro_batch=2", "--doc_mask=false", "--steps=3", "--log_every=1", "--eval_every=0",
+             "--eval_batches=1", "--sample_tokens=0", f"--init_from_hf={tmp_path / 'hf'}", "--ep=2"]
     output = torchrun(2, "train.py", *flags, timeout_s=120)
     assert f"initialised from {tmp_path / 'hf'}" in output
     with open(tmp_path / "run" / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    tokens_BT, targets_BT, _ = data.DataLoader(corpus_dir, "train", 32, 4, seed=0).batch(0)
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(hf(tokens_BT).logits.flatten(0, 1), targets_BT.flatten()).item()
+    assert abs(records[0]["lm_loss"] - hf_loss) <= 1e-4, (records[0]["lm_loss"], hf_loss)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
