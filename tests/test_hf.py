@@ -79,13 +79,17 @@ def header(path) -> dict:
 
 
 def test_a_save_pretrained_folder_loads_with_transformers_logits(tmp_path):
+    """The published layout, sharded or in one file, and the experts stacked (transformers' names in memory, which
+    earlier exports wrote): our model computes transformers' logits."""
     cfg = tiny_cfg()
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))  # > window
-    for name, kw in (("sharded", {"max_shard_size": SHARD_BYTES}), ("single", {})):
+    per_expert, stacked = "model.layers.1.mlp.experts.15.up_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"
+    for name, kw, expert in (("sharded", {"max_shard_size": SHARD_BYTES}, per_expert),  # as published
+                             ("single", {}, per_expert),
+                             ("stacked", {"max_shard_size": SHARD_BYTES, "save_original_format": False}, stacked)):
         hf = published(cfg, tmp_path / name, **kw)
-        files = os.listdir(tmp_path / name)
-        assert ("model.safetensors.index.json" in files) == (name == "sharded")
-        assert "model.layers.1.mlp.experts.15.up_proj.weight" in tensors(tmp_path / name)  # the published layout
+        assert ("model.safetensors.index.json" in os.listdir(tmp_path / name)) == (name != "single")
+        assert expert in tensors(tmp_path / name)
         ours = Transformer(hf_config(str(tmp_path / name))).eval()
         assert replace(ours.cfg, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef) == cfg
         assert load_hf_into(ours, str(tmp_path / name)) == sum(t.nbytes for _, t in tensors(tmp_path / name).values())
@@ -223,7 +227,7 @@ def test_folders_that_do_not_fit_are_named_in_one_sentence(tmp_path):
 
 def test_two_exports_into_one_folder_at_once_do_not_mix(tmp_path, monkeypatch, capsys):
     """A second export into the folder while the first is writing is refused; the first completes with its own
-    files, and neither leaves a temporary folder or lock beside it."""
+    files, and leaves no temporary folder or lock beside it."""
     cfg = tiny_cfg()
     model = randomise_(Transformer(cfg), seed=1)
     save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
@@ -239,6 +243,7 @@ def test_two_exports_into_one_folder_at_once_do_not_mix(tmp_path, monkeypatch, c
             second.append(None)
             second[0] = checkpoint.main(["export", str(tmp_path / "ckpt" / "step_00000002"), str(hf)])
 
+    (tmp_path / ".hf.export.killed.tmp").mkdir()  # what an export killed midway leaves: removed by the next one
     monkeypatch.setattr(checkpoint.data, "write_durably", write_and_export_again)
     assert checkpoint.main(["export", str(tmp_path / "ckpt" / "step_00000001"), str(hf)]) == 0
     assert second == [2]
