@@ -115,6 +115,7 @@ def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tup
 
 
 def _piece_shape(index: tuple) -> tuple:
+    """The shape of the Hugging Face tensor at `index` in ours (an int drops its dim: one expert of the stack)."""
     return tuple(ix.stop - ix.start for ix in index if isinstance(ix, slice))
 
 
