@@ -11,46 +11,50 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
     python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
     python checkpoint.py export out/ckpt out/hf              # newest complete one (or step_N) -> HF folder + tokenizer
     python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
+    python checkpoint.py export out/ckpt out/hf --dtype=float32  # full precision (default: bfloat16, as published)
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     pending.wait()                                           # before the next save; pending.done(): written
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors}, config)
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
+
+A Hugging Face folder is what transformers' save_pretrained writes (routed experts one tensor each, as published
+checkpoints); load_hf_into also reads the stacked experts transformers holds in memory (and earlier exports wrote).
 """
 
 import argparse
 import errno
+import fcntl
 import hashlib
+import itertools
 import json
+import math
 import os
 import pickle
 import re
 import shutil
-import stat
+import socket
+import struct
 import sys
+import tempfile
 import time
 import warnings
 from collections import namedtuple
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import save_file
+from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 
 import data
 from model import POSITIVE, ModelConfig, Rule, above, at_least, meta_model, refuse_unknown
@@ -85,8 +89,49 @@ def _hf_name(ours: str) -> str:
 
 
 def to_hf_state_dict(sd: dict) -> dict:
-    """Our state dict -> transformers' AfmoeForCausalLM state dict (same tensors, renamed)."""
+    """Our state dict -> transformers' AfmoeForCausalLM state dict in memory (same tensors, renamed)."""
     return {_hf_name(k): v for k, v in sd.items()}
+
+
+def _natural(name: str) -> list:
+    """transformers' order of state-dict names (numbers numerically), in which save_pretrained fills its files."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
+
+
+def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tuple]]:
+    """[(Hugging Face name, where it lies in our tensor `ours` of `shape`: an int or a slice per dim)]. transformers
+    holds routed experts stacked only in memory; save_pretrained (and published checkpoints, and engines' loaders)
+    keep one gate_proj, up_proj and down_proj per expert (`per_expert`), in that order: gate then up for all."""
+    whole = tuple(slice(0, n) for n in shape)
+    name = _hf_name(ours)
+    m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", name)
+    if not per_expert or m is None:
+        return [(name, whole)]
+    if m.group(2) == "down_proj":
+        return [(f"{m.group(1)}.{e}.down_proj.weight", (e, *whole[1:])) for e in range(shape[0])]
+    half = shape[1] // 2  # transformers' gate_up_proj[e] is gate_proj over up_proj
+    return [(f"{m.group(1)}.{e}.{proj}.weight", (e, rows, whole[2])) for proj, rows in
+            (("gate_proj", slice(0, half)), ("up_proj", slice(half, shape[1]))) for e in range(shape[0])]
+
+
+def _piece_shape(index: tuple) -> tuple:
+    """The shape of the Hugging Face tensor at `index` in ours (an int drops its dim: one expert of the stack)."""
+    return tuple(ix.stop - ix.start for ix in index if isinstance(ix, slice))
+
+
+def _overlap(index: tuple, offsets, sizes) -> tuple[tuple, tuple] | None:
+    """Where a piece at `index` (_hf_pieces) meets the block of our tensor at offsets/sizes: (the index into the
+    block, the index into the piece), or None where they do not meet."""
+    into_block, into_piece = [], []
+    for ix, o, s in zip(index, offsets, sizes):
+        start, stop = (ix, ix + 1) if isinstance(ix, int) else (ix.start, ix.stop)
+        lo, hi = max(start, o), min(stop, o + s)
+        if lo >= hi:
+            return None
+        into_block.append(lo - o if isinstance(ix, int) else slice(lo - o, hi - o))
+        if isinstance(ix, slice):
+            into_piece.append(slice(lo - start, hi - start))
+    return tuple(into_block), tuple(into_piece)
 
 
 # --- Files
@@ -561,79 +606,180 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
                          f"folder.")
 
 
-def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
-              overwrite: bool = False) -> str:
-    """Write a transformers `afmoe` folder (with the tokenizer, by default the data's) from checkpoint `ckpt_path` (or a
-    root's newest), a shard in memory at a time, beside out_dir, moved there once complete; returns the checkpoint."""
-    path, saved_config, cfg = saved_checkpoint(ckpt_path)
-    _refuse_export_dir(out_dir, path, overwrite)
-    verify(path, named=path == ckpt_path)  # a damaged checkpoint is one sentence, before anything is written
-    tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
-    enc = None if tokenizer is None else data.get_encoding(tokenizer)
-    if enc is None:
-        warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data was "
-                      f"prepared with (--tokenizer)", stacklevel=2)
-    elif enc.n_vocab > cfg.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
-                         f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
-    meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
-            if n.startswith("model.")}
-    expected = meta_model(cfg).state_dict()
-    names = list(expected)
-    missing = [n for n in names if n not in meta]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
-                         f"e.g. {', '.join(missing[:3])}.")
-    _expect_tensors(path, meta, expected)
-    nbytes = {n: meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names}
-    shards = [[]]
-    for n in names:
-        if shards[-1] and sum(nbytes[m] for m in shards[-1]) + nbytes[n] > max_shard_bytes:
-            shards.append([])
-        shards[-1].append(n)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
-              "run_id": saved_config.get("run_id")}
-    hf = {**cfg.to_hf(), "dtype": str(meta["embed.weight"].properties.dtype).removeprefix("torch."),
-          "eos_token_id": None if enc is None else enc.eot_token, "exported_from": source}
-    out_dir = os.path.normpath(out_dir)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".{os.path.basename(out_dir)}.tmp")
-    old = tmp.removesuffix(".tmp") + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
+@contextmanager
+def _export_lock(out_dir: str):
+    """Held while an export into out_dir runs; a second export into it meanwhile is refused in one sentence. It is a
+    flock on a file beside out_dir, so the OS frees it when its process dies, however it dies."""
+    parent, base = os.path.split(os.path.abspath(out_dir))
+    path = os.path.join(parent, f".{base}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace")
+            os.close(fd)
+            raise ValueError(f"another export into {out_dir} is running ({holder or 'starting'}); wait for it to "
+                             f"finish, or export to another folder.") from None
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # locked a file its holder removed as it finished: lock the one at `path` now
     try:
-        os.makedirs(tmp)
-        weight_map = {}
-        for file, shard in zip(files, shards):
-            sd = {f"model.{n}": torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
-            dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
-            hf_sd = to_hf_state_dict({n: sd[f"model.{n}"] for n in shard})
-            save_file(hf_sd, os.path.join(tmp, file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(hf_sd, file))
-        if len(files) > 1:
-            index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-            data.write_durably(os.path.join(tmp, "model.safetensors.index.json"), json.dumps(index, indent=2))
-        data.write_durably(os.path.join(tmp, "config.json"), json.dumps(hf, indent=2))
-        if enc is not None:  # transformers' generate stops at this id
-            data.write_durably(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": enc.eot_token}))
-            data.save_hf_tokenizer(tokenizer, tmp)
-        mode = stat.S_IMODE(os.stat(os.path.join(tmp, "config.json")).st_mode)  # 0666 less the umask
-        for name in os.listdir(tmp):  # safetensors writes 0600 files
-            os.chmod(os.path.join(tmp, name), mode)
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(out_dir):  # empty, or replaced with overwrite: kept until the new export is in place
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except (OSError, SafetensorError) as e:
-        full = _no_space(os.path.dirname(tmp), _first_failure(e)[0], sum(nbytes.values()))
-        if full is None:
-            raise
-        raise SaveFailed(f"{full}: the export to {out_dir} was not written (its partial files are removed); "
-                         f"{out_dir} is unchanged.") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        yield
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.unlink(path)
+        os.close(fd)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+
+def _write_safetensors(path: str, tensors: dict):
+    """A safetensors file, durably, each tensor written from its own memory (safetensors' save_file first copies
+    every tensor into bytes: a second copy of the file in memory). In name order, as safetensors lays them out."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":"))
+    text += " " * (-len(text) % 8)  # the tensors start 8-byte aligned
+    data.write_durably(path, struct.pack("<Q", len(text)), text,
+                       *(tensors[name].contiguous().view(torch.uint8).numpy() for name in sorted(tensors)))
+
+
+def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: int) -> list[list]:
+    """`pieces` in files as save_pretrained splits them, in order: a new file where the next unit would pass
+    `max_bytes`; a unit over it alone in a file, placed before the one being filled. A unit is a tensor, or one
+    projection of a layer's routed experts: transformers cuts those from one tensor and keeps one storage's together."""
+    shards, filling, size = [], [], 0
+    for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
+        unit = list(unit)
+        nbytes = sum(numel[piece[0]] for piece in unit) * itemsize
+        if nbytes > max_bytes:
+            shards.append(unit)
+            continue
+        if size + nbytes > max_bytes:
+            shards.append(filling)
+            filling, size = [], 0
+        filling += unit
+        size += nbytes
+    return shards + ([filling] if filling else [])
+
+
+def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
+              overwrite: bool = False, dtype: str = "bfloat16") -> str:
+    """Write what transformers' save_pretrained writes for checkpoint `ckpt_path`'s (or a root's newest) model in
+    `dtype`: its files, tensor names, shapes and dtypes (routed experts one tensor each), config.json and
+    generation_config.json, plus the tokenizer (by default the data's); beside out_dir, moved there once complete.
+    One process reads the checkpoint of any layout a file's tensors at a time, cast to `dtype` as they are read, and
+    writes each tensor from there; returns the checkpoint."""
+    path, saved_config, cfg = saved_checkpoint(ckpt_path)
+    out_dir = os.path.normpath(out_dir)
+    parent, base = os.path.split(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with _export_lock(out_dir):
+        _refuse_export_dir(out_dir, path, overwrite)
+        verify(path, named=path == ckpt_path)  # a damaged checkpoint is one sentence, before anything is written
+        tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
+        enc = None if tokenizer is None else data.get_encoding(tokenizer)
+        if enc is None:
+            warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data "
+                          f"was prepared with (--tokenizer)", stacklevel=2)
+        elif enc.n_vocab > cfg.vocab_size:
+            raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
+                             f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
+        meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
+                if n.startswith("model.")}
+        expected = meta_model(cfg).state_dict()
+        names = list(expected)
+        missing = [n for n in names if n not in meta]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
+                             f"e.g. {', '.join(missing[:3])}.")
+        _expect_tensors(path, meta, expected)
+        torch_dtype = getattr(torch, dtype)
+        pieces = [(hf, ours, index) for ours in sorted(names, key=lambda n: _natural(_hf_name(n)))
+                  for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
+        numel = {hf: math.prod(_piece_shape(index)) for hf, _, index in pieces}
+        shards = _save_pretrained_split(pieces, numel, torch_dtype.itemsize, max_shard_bytes)
+        files = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
+                  "run_id": saved_config.get("run_id")}
+        eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
+        # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
+        hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
+        total = sum(numel.values())
+        # What killed exports into out_dir left (none is running: this one holds the lock); mkdtemp's part has no dot.
+        for name in os.listdir(parent):
+            if re.fullmatch(rf"\.{re.escape(base)}\.export\.[^.]+\.tmp", name):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=f".{base}.export.", suffix=".tmp", dir=parent)
+        old = os.path.join(parent, f".{base}.old")
+        try:
+            for file, shard in zip(files, shards):
+                sd = {f"model.{ours}": torch.empty(meta[ours].size, dtype=torch_dtype) for _, ours, _ in shard}
+                dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
+                _write_safetensors(os.path.join(tmp, file),
+                                   {hf_name: sd[f"model.{ours}"][index] for hf_name, ours, index in shard})
+                del sd  # before the next file's tensors are allocated
+            if len(files) > 1:
+                index = {"metadata": {"total_parameters": total, "total_size": total * torch_dtype.itemsize},
+                         "weight_map": {hf_name: file for file, shard in zip(files, shards) for hf_name, _, _ in shard}}
+                data.write_durably(os.path.join(tmp, "model.safetensors.index.json"),
+                                   json.dumps(index, indent=2, sort_keys=True) + "\n")
+            data.write_durably(os.path.join(tmp, "config.json"), json.dumps(hf, indent=2))
+            data.write_durably(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": eos}))
+            if enc is not None:
+                data.save_hf_tokenizer(tokenizer, tmp)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(out_dir):  # empty, or replaced with overwrite: kept until the new export is in place
+                os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            full = _no_space(parent, _first_failure(e)[0], total * torch_dtype.itemsize)
+            if full is None:
+                raise
+            raise SaveFailed(f"{full}: the export to {out_dir} was not written (its partial files are removed); "
+                             f"{out_dir} is unchanged.") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _umask() -> int:
+    """This process's umask (reading it sets it: it is set back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _weight_files(hf_dir: str) -> dict[str, str]:
+    """{tensor name: path of its file} of a Hugging Face folder: sharded with model.safetensors.index.json, or one
+    model.safetensors."""
+    if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
+        weight_map = _read_json(hf_dir, "model.safetensors.index.json")["weight_map"]
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json.")
+    absent = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, f))})
+    if absent:
+        raise FileNotFoundError(f"{hf_dir} lacks {len(absent)} weight file(s) its index names, "
+                                f"e.g. {absent[0]}; copy the folder again.")
+    return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
 
 
 def hf_config(hf_dir: str) -> ModelConfig:
@@ -642,37 +788,48 @@ def hf_config(hf_dir: str) -> ModelConfig:
     if hf.get("model_type") != "afmoe":
         raise ValueError(f"{hf_dir} holds a model_type={hf.get('model_type')!r} model; only 'afmoe' (Trinity) "
                          f"models can be loaded.")
-    if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
-        files = set(_read_json(hf_dir, "model.safetensors.index.json")["weight_map"].values())
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json.")
-    absent = sorted(f for f in files if not os.path.isfile(os.path.join(hf_dir, f)))
-    if absent:
-        raise FileNotFoundError(f"{hf_dir} lacks {len(absent)} weight file(s) its index names, "
-                                f"e.g. {absent[0]}; copy the folder again.")
+    _weight_files(hf_dir)
     return ModelConfig.from_hf(hf)
 
 
-def load_hf_into(model, hf_dir: str):
-    """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, each rank its shards' rows."""
+def load_hf_into(model, hf_dir: str) -> int:
+    """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, its routed experts one tensor
+    each (as save_pretrained writes them) or stacked (as transformers holds them, and earlier exports wrote them).
+    Each rank reads only the rows of its own shards (under expert parallelism: its own experts' tensors); returns the
+    bytes of tensor data this rank read."""
     hf_config(hf_dir)  # config.json and the weight files the index names are there
-    reader = dcp.HuggingFaceStorageReader(hf_dir)
-    shapes = {k: tuple(meta.size) for k, meta in reader.read_metadata().state_dict_metadata.items()}
+    files = _weight_files(hf_dir)
     tensors = get_model_state_dict(model, options=_OPTIONS)
-    wanted = to_hf_state_dict(tensors)
-    missing = sorted(set(wanted) - set(shapes))
-    if missing:
-        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors this config needs, "
-                         f"e.g. {missing[:3]}; is it an afmoe model with the same number of layers and experts?")
-    wrong = [f"{k} {shapes[k]} in the folder vs {tuple(v.shape)} here" for k, v in wanted.items()
-             if shapes[k] != tuple(v.shape)]
-    if wrong:
-        raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
-                         f"of this model's config, or drop the flags that change it.")
-    dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, {k: wanted[_hf_name(k)] for k in tensors}, options=_OPTIONS)
+    with ExitStack() as stack:  # safe_open reads a file's header; get_slice then reads only the bytes asked for
+        opened = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
+        on_disk = {name: opened[path].get_slice(name) for name, path in files.items()}
+        pieces = {k: _hf_pieces(k, tuple(v.shape), per_expert=_hf_name(k) not in on_disk) for k, v in tensors.items()}
+        missing = [name for p in pieces.values() for name, _ in p if name not in on_disk]
+        if missing:
+            raise ValueError(f"{hf_dir} lacks {len(missing)} tensors this config needs, e.g. {missing[:3]}; is it an "
+                             f"afmoe model with the same number of layers and experts?")
+        wrong = [f"{name} {tuple(on_disk[name].get_shape())} in the folder vs {_piece_shape(index)} here"
+                 for p in pieces.values() for name, index in p
+                 if tuple(on_disk[name].get_shape()) != _piece_shape(index)]
+        if wrong:
+            raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
+                             f"of this model's config, or drop the flags that change it.")
+        read = 0
+        for k, v in tensors.items():
+            chunk = v.__create_chunk_list__()[0] if isinstance(v, DTensor) else None  # this rank's block of v
+            offsets, sizes = (chunk.offsets, chunk.sizes) if chunk else ((0,) * v.dim(), tuple(v.shape))
+            block = torch.empty(sizes, dtype=v.dtype)
+            for name, index in pieces[k]:
+                where = _overlap(index, offsets, sizes)
+                if where is not None:
+                    part = on_disk[name][where[1]]
+                    read += part.nbytes
+                    block[where[0]] = part
+            block = block.to(local(v).device)
+            tensors[k] = (DTensor.from_local(block, v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
+                          if chunk else block)
+    set_model_state_dict(model, tensors, options=_OPTIONS)
+    return read
 
 
 # --- Command line
@@ -800,6 +957,8 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=above(0).parse(float), default=5.0, help="largest file (default 5 GiB)")
     p.add_argument("--tokenizer", help="tiktoken name or Hugging Face tokenizer folder (default: the data's)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR's files once the new export is complete")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
+                   help="the weights' dtype (default: bfloat16, as published; float32 keeps a float32 run exact)")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root or a Hugging Face afmoe folder")
     for flag, kind, default, _, text in _SAMPLE_FLAGS:
@@ -817,7 +976,7 @@ def main(argv=None) -> int:
             _sample(args)
         else:
             used = export_hf(args.ckpt_dir, args.out_dir, int(args.max_shard_gb * 2**30), args.tokenizer,
-                             args.overwrite)
+                             args.overwrite, args.dtype)
             print(f"exported {used} to {args.out_dir}")
     except (OSError, ValueError, KeyError, SaveFailed) as e:
         print(f"checkpoint.py: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

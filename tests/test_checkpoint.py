@@ -562,7 +562,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
     cfg = tiny_cfg()
     model, optim = make(cfg, seed=0)
     save(str(tmp_path / "ckpt"), 7, {"model": model, "optim": optim}, {"model": cfg})
-    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=400_000)  # several shards
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=400_000, dtype="float32")  # sharded
     files = sorted(os.listdir(tmp_path / "hf"))
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
     with open(tmp_path / "hf" / "config.json") as f:
@@ -576,7 +576,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
 
     for out in ("hf", "hf_single"):  # the sharded folder, and one model.safetensors
         if out == "hf_single":
-            export_hf(str(tmp_path / "ckpt" / "step_00000007"), str(tmp_path / out))
+            export_hf(str(tmp_path / "ckpt" / "step_00000007"), str(tmp_path / out), dtype="float32")
             assert "model.safetensors" in os.listdir(tmp_path / out)
         got_cfg = hf_config(str(tmp_path / out))
         assert replace(got_cfg, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef) == cfg
@@ -623,8 +623,8 @@ def test_export_replaces_nothing_until_it_is_complete(tmp_path, capsys):
     save(str(root), 4, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
     assert checkpoint.main(["export", str(root), str(hf)]) == 2
     assert capsys.readouterr().err == (f"checkpoint.py: error: {hf} already holds another model (config.json, "
-                                       f"model.safetensors); pass --overwrite to replace it once the new export is "
-                                       f"complete, or export to another folder.\n")
+                                       f"generation_config.json, model.safetensors); pass --overwrite to replace it "
+                                       f"once the new export is complete, or export to another folder.\n")
     # A damaged checkpoint exported over it: one sentence, and the earlier export is intact.
     file = flip_a_bit(root / "step_00000004", model.head.weight)
     assert checkpoint.main(["export", str(root), str(hf), "--overwrite"]) == 2
@@ -691,7 +691,7 @@ def test_a_full_disk_is_said_in_clear_words(small_disk, tmp_path, capsys):
         save(str(small_disk / "ckpt"), 1, {"model": model}, {"model": cfg})
     assert os.listdir(small_disk / "ckpt") == []
     save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
-    assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(small_disk / "hf")]) == 2
+    assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(small_disk / "hf"), "--dtype=float32"]) == 2
     assert re.fullmatch(re.escape(f"checkpoint.py: error: no space left on {small_disk} (") + r"\d+\.\d MiB free\): " +
                         re.escape(f"the export to {small_disk / 'hf'} was not written (its partial files are "
                                   f"removed); {small_disk / 'hf'} is unchanged.\n"), capsys.readouterr().err)
@@ -752,7 +752,8 @@ def test_cli(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     for args, says in [(["sample", ckpt, "--promt=hi", "--tempature=1"], "did you mean --prompt, --temperature?"),
                        (["ls", ckpt, "extra"], "unrecognized arguments: extra"),
-                       (["export", ckpt, str(tmp_path / "o"), "--dtype=bf16"], "checkpoint.py export --help lists"),
+                       (["export", ckpt, str(tmp_path / "o"), "--seed=1"], "checkpoint.py export --help lists"),
+                       (["export", ckpt, str(tmp_path / "o"), "--dtype=bf16"], "invalid choice: 'bf16'"),
                        (["export", ckpt, str(tmp_path / "o"), "--max_shard_gb=0"], "--max_shard_gb: 0 must be above")]:
         with pytest.raises(SystemExit) as exit_:
             checkpoint.main(args)

@@ -297,7 +297,8 @@ def short_run(corpus_dir, tmp_path_factory):
 def test_export_loads_in_transformers_and_starts_a_run(short_run, corpus_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "checkpoint.py", "export", str(short_run / "checkpoints"), str(hf_dir)],
+    result = subprocess.run([sys.executable, "checkpoint.py", "export", str(short_run / "checkpoints"), str(hf_dir),
+                             "--dtype=float32"],
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "step_00000003" in result.stdout

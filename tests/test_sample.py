@@ -162,7 +162,7 @@ def saved(tmp_path_factory):
               "tokenizer": {"name": "cl100k_base", "source": "cl100k_base"}}
     checkpoint.save(str(out / "ckpt"), 5, {"model": model}, config)
     checkpoint.save(str(out / "bare"), 5, {"model": model}, {"model": CLI_CFG})
-    checkpoint.export_hf(str(out / "bare"), str(out / "hf"))
+    checkpoint.export_hf(str(out / "bare"), str(out / "hf"), dtype="float32")
     return model, out
 
 
@@ -238,7 +238,7 @@ def test_cli_a_checkpoint_and_its_export_read_the_same_prompts(saved, capsys, tm
     tokenizer.json), and both draw only the ids cl100k_base assigns: the same samples."""
     import data
     model, out = saved
-    checkpoint.export_hf(str(out / "ckpt"), str(tmp_path / "hf"), tokenizer="cl100k_base")
+    checkpoint.export_hf(str(out / "ckpt"), str(tmp_path / "hf"), tokenizer="cl100k_base", dtype="float32")
     flags = ["--prompt=<|endoftext|>def", "--max_new_tokens=10", "--num_samples=2", "--seed=3", "--top_k=0"]
     code, from_checkpoint, _ = sample_cli(capsys, str(out / "ckpt"), *flags)
     assert code == 0

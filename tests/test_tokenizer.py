@@ -64,7 +64,7 @@ def assert_same_logits(model, hf_dir, ids):
 def test_export_carries_cl100k_as_an_exact_hugging_face_tokenizer(corpus_dir, tmp_path):
     tc, overrides = train.parse_args(run_args(corpus_dir, tmp_path / "run", "--steps=1"))
     train.main(tc, overrides)
-    checkpoint.export_hf(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"))  # the data's: cl100k_base
+    checkpoint.export_hf(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"), dtype="float32")  # cl100k
 
     enc = data.get_encoding("cl100k_base")
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
@@ -115,7 +115,7 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
     run = tmp_path / "run"
     tc, overrides = train.parse_args(run_args(out[2], run, "--steps=2", "--sample_tokens=4", f"--tokenizer={tok_dir}"))
     train.main(tc, overrides)
-    checkpoint.export_hf(str(run / "checkpoints"), str(tmp_path / "hf"))
+    checkpoint.export_hf(str(run / "checkpoints"), str(tmp_path / "hf"), dtype="float32")
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     ids = hf_tok("def f(x):\n    return x  # héllo")["input_ids"]
     assert ids == reference.encode("def f(x):\n    return x  # héllo").ids and hf_tok.eos_token_id == eos
