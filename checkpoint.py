@@ -16,7 +16,7 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     pending.wait()                                           # before the next save; pending.done(): written
-    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors}, config)
+    path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors})
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 
 A Hugging Face folder is what transformers' save_pretrained writes (routed experts one tensor each, as published
@@ -52,8 +52,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import data
@@ -286,14 +291,13 @@ def verify(path: str, contents: bool = True, named: bool = False):
                 raise bad(name, "has changed since it was written (its sha256 differs)")
 
 
-def load_latest(ckpt_root: str, state: dict, config=None, say=print,
-                up_to: int | None = None) -> tuple[str | None, dict | None]:
+def load_latest(ckpt_root: str, state: dict, say=print, up_to: int | None = None) -> tuple[str | None, dict | None]:
     """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`) that loads, saying which
     damaged ones it skipped: (None, None) when there is none, CorruptCheckpoint when none loads."""
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
-            return path, _load(path, state, config, named=False)
+            return path, _load(path, state, named=False)
         except CorruptCheckpoint as e:
             say(f"{e} Skipping it, trying the previous checkpoint.")
     if complete:
@@ -522,20 +526,6 @@ def _json(obj, what: str) -> str:
     return json.dumps(obj, indent=1, default=refuse)
 
 
-def _check_config(path: str, saved_config: dict, config: dict):
-    """Refuse a checkpoint of another architecture than `config`'s (other data or tokenizer: train.py decides)."""
-    current = _resolved_config(config).get("model")
-    saved = saved_config.get("model")
-    if current is not None and isinstance(saved, dict):
-        # Fields that change neither the weights' shapes nor the function they compute may change on resume.
-        free = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")
-        diff = [f"{n}: {saved.get(n, 'absent')!r} in the checkpoint vs {current.get(n, 'absent')!r} now"
-                for n in {**current, **saved} if n not in free and saved.get(n) != current.get(n)]
-        if diff:
-            raise ValueError(f"checkpoint {path} was saved with a different model architecture "
-                             f"({'; '.join(diff)}); resume with the checkpoint's model config or start a new run.")
-
-
 def _expect_tensors(path: str, entries: dict, wanted: dict):
     """Raise CorruptCheckpoint unless each of `wanted`'s tensors is, in .metadata `entries`, a tensor of its shape
     and dtype: DCP reads any other entry (bytes) with a full pickle, which runs the code it names."""
@@ -549,19 +539,17 @@ def _expect_tensors(path: str, entries: dict, wanted: dict):
                                     f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is expected.")
 
 
-def load(path: str, state: dict, config: dict | None = None) -> dict:
+def load(path: str, state: dict) -> dict:
     """Load checkpoint `path` (or a root's newest) in place into state's "model", "optim" and "train" tensors, any
-    layout, on every rank; return the train state's other values. `config`: refuse another architecture."""
+    layout, on every rank; return the train state's other values. Its settings are train.py's to compare."""
     resolved = _resolve(path)
-    return _load(resolved, state, config, named=resolved == path)
+    return _load(resolved, state, named=resolved == path)
 
 
-def _load(path: str, state: dict, config: dict | None, named: bool) -> dict:
+def _load(path: str, state: dict, named: bool) -> dict:
     """load() of complete checkpoint `path`; `named`: the user named it, so it may lack checksums (see verify)."""
     verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
-    if config is not None:
-        _check_config(path, _read_json(path, "config.json"), config)
     tensors, optim_rest, _ = _state_dicts(state)
     reader = _Reader(path)
     saved_meta = reader.read_metadata().state_dict_metadata

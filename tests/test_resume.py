@@ -333,9 +333,9 @@ def test_resume_with_another_architecture_fails_in_one_line(short_run, corpus_di
                             "--n_layers=2", "--expert_hidden=8"), tmp_path / "log")
     assert code == 2
     assert err.splitlines() == [
-        f"error: checkpoint {short_run}/checkpoints/step_00000003 was saved with a different model architecture "
-        f"(n_layers: 4 in the checkpoint vs 2 now; expert_hidden: 16 in the checkpoint vs 8 now); resume with the "
-        f"checkpoint's model config or start a new run."]
+        f"error: checkpoint {short_run}/checkpoints/step_00000003 has another model architecture (n_layers: 4 in the "
+        f"checkpoint vs 2 now; expert_hidden: 16 in the checkpoint vs 8 now); resume with its model config or start a "
+        f"new run."]
 
 
 def test_resume_from_a_crafted_checkpoint_runs_no_code(short_run, corpus_dir, tmp_path):
