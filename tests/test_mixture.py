@@ -104,7 +104,11 @@ def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(c
         train.main(*train.parse_args(args(changed, tmp_path, "--steps=4")))
     train.main(*train.parse_args(args(changed, tmp_path, "--steps=4", "--allow_changed=data")))
     assert "a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before" in capsys.readouterr().out
-    assert metrics(tmp_path)[3]["tokens_by_source"] == {str(copy): 0, csv_dir: 128, MEGATRON: 128}
+    logged = metrics(tmp_path)  # phase ";3=" shapes step 3 counted from 0: the 4th step, logged as step 4
+    assert (logged[2]["step"], logged[2]["data_step"], set(logged[2]["tokens_by_source"])) == (3, 2, {str(copy),
+                                                                                                      csv_dir})
+    assert (logged[3]["step"], logged[3]["data_step"]) == (4, 3)
+    assert logged[3]["tokens_by_source"] == {str(copy): 0, csv_dir: 128, MEGATRON: 128}
     config = json.load(open(tmp_path / "config.json"))
     assert config["from_step"] == 3 and config["data"]["phases"] == {"0": {csv_dir: 0.25, str(copy): 0.75},
                                                                       "3": {csv_dir: 0.5, MEGATRON: 0.5}}
