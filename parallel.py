@@ -667,6 +667,9 @@ class Muon(torch.optim.Optimizer):
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
+MUON_MOMENTUM = 0.95  # Nesterov, as in Keller Jordan's Muon and torch.optim.Muon; Trinity kept it
+
+
 def build_optimizer(model, tc, fused: bool = True):
     """--optimizer=adamw: AdamW, weight decay on matrices only. --optimizer=muon: Muon at --muon_lr for the blocks'
     hidden matrices, AdamW at --lr for the embedding, head, norms and router (orthogonalising its rows, the experts'
@@ -684,7 +687,7 @@ def build_optimizer(model, tc, fused: bool = True):
               {"params": [p for n, p in params if p.dim() >= 2 and n not in hidden], "muon": False,
                "weight_decay": tc.weight_decay},
               {**vectors, "muon": False}]
-    return Muon(groups, lr=tc.lr, momentum=tc.muon_momentum, betas=(tc.beta1, tc.beta2), fused=fused)
+    return Muon(groups, lr=tc.lr, momentum=MUON_MOMENTUM, betas=(tc.beta1, tc.beta2), fused=fused)
 
 
 # Dense bf16 peaks in TFLOP/s, for MFU (other devices report n/a: add yours here). B300's gains are in FP4, not bf16.

@@ -86,13 +86,12 @@ class TrainConfig:
     optimizer: str = option("adamw", "muon: Muon for the blocks' matrices, AdamW at --lr for embedding, head, router "
                                      "and norms (as Trinity trained)", one_of(*parallel.OPTIMIZERS))
     muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
-    muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", FRACTION)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
     seed: int = option(0, "seed for initialisation and data order")
     # expert load balancing (model.update_expert_bias's rules)
     balance: str = option("smebu", "expert-bias update once per step", one_of(*BALANCE_RULES))
-    smebu_lambda: float = option(5e-4, "SMEBU step size λ", NON_NEGATIVE)
-    sign_gamma: float = option(1e-3, "sign-rule step size γ", NON_NEGATIVE)
+    bias_step: float = option(0.0, "its step size, SMEBU's λ or the sign rule's γ (0: the rule's own, Trinity's λ 5e-4 "
+                                   "or DeepSeek-V3's γ 1e-3)", NON_NEGATIVE)
     bias_freeze_step: int = option(-1, "only steps 0 .. N-1 move the expert bias (-1: every step)",
                                    at_least(-1, "-1 (never) or a step number"))
     # parallelism and precision (parallel.py)
@@ -295,9 +294,9 @@ def update_biases(model, counts_LE: torch.Tensor, momentum_LE: torch.Tensor, tc:
     """Move each MoE layer's routing bias toward balance from the global batch's counts (SMEBU or the sign rule)."""
     if tc.balance != "none" and (tc.bias_freeze_step < 0 or step < tc.bias_freeze_step):
         with phase("expert-bias update"):
+            step_size = {"lam": tc.bias_step, "gamma": tc.bias_step} if tc.bias_step else {}
             for moe, counts_E, momentum_E in zip(model.moe_layers(), counts_LE, momentum_LE):
-                update_expert_bias(moe.expert_bias, counts_E, momentum_E, tc.balance, tc.smebu_lambda,
-                                   gamma=tc.sign_gamma)
+                update_expert_bias(moe.expert_bias, counts_E, momentum_E, tc.balance, **step_size)
 
 
 @torch.no_grad()
@@ -417,8 +416,8 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
 
 # Settings that change what a run trains, compared on resume with the checkpoint's; the data order's are fixed.
 COMPARED = ["data", "seed", "seq_len", "global_batch", "micro_batch", "doc_mask", "dtype", "optimizer", "lr", "muon_lr",
-            "weight_decay", "beta1", "beta2", "muon_momentum", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac",
-            "min_lr_ratio", "balance", "smebu_lambda", "sign_gamma", "bias_freeze_step", "spike_threshold",
+            "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac",
+            "min_lr_ratio", "balance", "bias_step", "bias_freeze_step", "spike_threshold",
             "spike_window", "spike_rollback", "max_rollbacks"]
 FIXED = ("seed", "seq_len", "global_batch")
 FREE_MODEL_FIELDS = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")  # neither shapes nor the function

@@ -64,7 +64,7 @@ def config(run=None):
     sign rule with a large step (so routing changes between steps), fp32 throughout."""
     run = run or dict(layout={}, micro_batch=GLOBAL_BATCH)
     return train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=run["micro_batch"], seq_len=SEQ, lr=LR,
-                             grad_clip=MAX_NORM, balance="sign", sign_gamma=BIAS_STEP, doc_mask=False, dtype="fp32",
+                             grad_clip=MAX_NORM, balance="sign", bias_step=BIAS_STEP, doc_mask=False, dtype="fp32",
                              ac=run.get("ac", "none"), compile=run.get("compile", False),
                              keep_gathered=run.get("keep_gathered", False), **run["layout"])
 
