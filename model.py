@@ -50,14 +50,17 @@ class Rule:
 
 
 def at_least(low: float, words: str = "") -> Rule:
+    """value >= low, said as `words` when the bound has a meaning of its own ("-1 (never) or a step number")."""
     return Rule(lambda v, _: v >= low, words or f"at least {low:g}")
 
 
 def above(low: float) -> Rule:
+    """value > low: a bound that must not be reached (a positive size or rate)."""
     return Rule(lambda v, _: v > low, f"above {low:g}")
 
 
 def one_of(*choices) -> Rule:
+    """value in choices, which --help lists after the flag's own words."""
     return Rule(lambda v, _: v in choices, "one of " + ", ".join(map(str, choices)), choices)
 
 
@@ -116,13 +119,15 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
 
 
 def parse_bool(text: str) -> bool:
+    """A flag's true or false in the words people type (1/0, yes/no, on/off too); argparse's bool() takes any text."""
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("1", "true", "yes", "on")
 
 
 def kind_of(f) -> type:
-    """The type of a settings field's value: bool, int, float or str."""
+    """The type of a settings field's value: bool, int, float or str (an optional bool, None until resolved, is a
+    bool: --compile's default depends on the device)."""
     return bool if f.type in (bool, bool | None, "bool") else type(f.default)
 
 
@@ -130,6 +135,7 @@ class Parser(argparse.ArgumentParser):
     """argparse whose unknown flags are refused naming the closest; add_settings makes a dataclass's fields flags."""
 
     def error(self, message):
+        """argparse's error, but an unknown flag names the flags it most likely meant (refuse_unknown)."""
         if message.startswith("unrecognized arguments: "):
             refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split())
         self.exit(2, f"{self.prog}: error: {message}\n")
