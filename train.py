@@ -346,10 +346,8 @@ def with_micro_batch(tc: TrainConfig, world: int) -> TrainConfig:
     return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
 
 
-def claim_out_dir(tc: TrainConfig, master: bool) -> tuple[watch.Lease | None, str | None]:
-    """OUT_DIR made and its lease taken (one live job per OUT_DIR); a run there is continued (--resume=auto, or one of
-    its checkpoints), replaced (--overwrite) or refused. Returns the lease and what to resume: a checkpoint, the
-    checkpoints folder (its newest that loads) or None."""
+def claim_out_dir(tc: TrainConfig, master: bool) -> watch.Lease | None:
+    """OUT_DIR made and its lease taken on rank 0 (one live job per OUT_DIR), or one sentence on every rank."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
@@ -366,17 +364,23 @@ def claim_out_dir(tc: TrainConfig, master: bool) -> tuple[watch.Lease | None, st
     refusal = parallel.gathered(refusal)[0]
     if refusal:
         raise ValueError(refusal)
+    return lease
+
+
+def resume_source(tc: TrainConfig, master: bool) -> str | None:
+    """A run in OUT_DIR is continued (--resume=auto, or one of its checkpoints), replaced (--overwrite) or refused.
+    What to resume: a checkpoint, the checkpoints folder (its newest that loads) or None."""
     root = os.path.join(tc.out_dir, "checkpoints")
     if tc.init_from_hf and tc.resume not in ("auto", "none"):
         raise ValueError(f"--init_from_hf and --resume={tc.resume} both name the weights to start from; pass one.")
     if watch.restarts() and checkpoint.latest(root):  # torchrun restarted the job: its own newest checkpoint
-        return lease, root
+        return root
     if tc.resume == "auto" and not tc.init_from_hf:
-        return lease, root if checkpoint.latest(root) else None
+        return root if checkpoint.latest(root) else None
     resume_from = None if tc.resume in ("auto", "none") else tc.resume
     # A restarted job's files are its first attempt's; a checkpoint of this OUT_DIR's run continues it.
     if watch.restarts() or (resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root))):
-        return lease, resume_from
+        return resume_from
     # A run is its checkpoints and metrics; a config.json alone is what a launch that failed before its first step left.
     present = [name for name in ("checkpoints", "metrics.jsonl", "config.json") if Path(tc.out_dir, name).exists()]
     if os.path.exists(os.path.join(tc.out_dir, "metrics.jsonl")) or (os.path.isdir(root) and os.listdir(root)):
@@ -388,7 +392,7 @@ def claim_out_dir(tc: TrainConfig, master: bool) -> tuple[watch.Lease | None, st
             shutil.rmtree(root, ignore_errors=True)
             for name in set(present) - {"checkpoints"}:
                 os.remove(os.path.join(tc.out_dir, name))
-    return lease, resume_from
+    return resume_from
 
 
 def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: torch.device) -> tuple[Run, dict]:
@@ -657,8 +661,9 @@ def main(tc: TrainConfig, overrides: dict) -> dict:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # the rest stand by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
-    lease, resume_from = claim_out_dir(tc, rank == 0)
+    lease = claim_out_dir(tc, rank == 0)
     try:
+        resume_from = resume_source(tc, rank == 0)
         run, resolved = prepare(tc, overrides, rank, world, device)
         if resume_from:
             compare_settings(resume_from, resolved)

@@ -413,6 +413,7 @@ class Checkpoints:
         self.device = device
         self.root = os.path.join(tc.out_dir, "checkpoints")
         self.pending = None
+        self.in_flight = False  # from the start of a save until it is complete or failed: abandon() removes it
         self.started = time.time()
         self.step = 0
         self.final = False
@@ -435,6 +436,7 @@ class Checkpoints:
         self.step = step
         self.final = final
         self.started = time.time()
+        self.in_flight = True
         try:
             self.pending = checkpoint.save(self.root, step, state, resolved, keep=self.tc.keep_ckpts, async_save=True)
         except checkpoint.SaveFailed as e:
@@ -447,9 +449,10 @@ class Checkpoints:
         try:
             self.pending.wait()
         except checkpoint.SaveFailed as e:
-            return self.failed(e)
-        finally:
             self.pending = None
+            return self.failed(e)
+        self.pending = None  # not on a second Ctrl-C (KeyboardInterrupt) in the wait: abandon() removes its files
+        self.in_flight = False
         say(f"checkpoint step_{self.step:08d} complete, {time.time() - self.started:.1f}s after it began")
         self.events.update(last_checkpoint=checkpoint.latest(self.root))
         size = sum(f.stat().st_size for f in Path(self.root, f"step_{self.step:08d}").iterdir())
@@ -461,6 +464,7 @@ class Checkpoints:
         self.disk_low = free < 2 * size
 
     def failed(self, e: checkpoint.SaveFailed):
+        self.in_flight = False
         if self.final:  # nothing follows to go on with: raised once the run is wound up
             self.lost = e
         self.events.event("checkpoint_failed", self.step, str(e) if self.final else f"{e} Training goes on.")
@@ -468,7 +472,7 @@ class Checkpoints:
     def abandon(self) -> str:
         """A second Ctrl-C: give up the checkpoint being written, removing its files; what to say."""
         newest = checkpoint.latest(self.root) or "none"
-        if self.pending is None:
+        if not self.in_flight:
             return f"interrupted again: stopped at once; the newest checkpoint is {newest}"
         partial = checkpoint.abandon(self.root, self.step)
         return (f"interrupted again: checkpoint step_{self.step:08d} abandoned before it was complete (its partial "

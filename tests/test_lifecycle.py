@@ -68,9 +68,9 @@ def test_new_run_in_another_runs_out_dir_is_refused_then_overwrites_on_request(f
     resume_flag = f"--resume={finished / 'checkpoints' / 'step_00000002'}" if resume == "other" else "--resume=none"
     steps = 3 if resume == "other" else 1  # "other" continues another directory's step 2, "none" starts anew
     before = snapshot(out)
-    with pytest.raises(ValueError, match=r"holds another run \(checkpoints, metrics.jsonl, config.json\), which a new "
-                                         r"run would mix with or delete; continue it with --resume=auto, choose a new "
-                                         r"--out_dir, or pass --overwrite to replace it\.$"):
+    with pytest.raises(ValueError, match=r"holds another run \(checkpoints, metrics.jsonl, config.json\); continue it "
+                                         r"with --resume=auto, choose a new --out_dir, or pass --overwrite to replace "
+                                         r"it\.$"):
         train.main(*train.parse_args(args(corpus_dir, out, f"--steps={steps}", resume_flag)))
     assert snapshot(out) == before  # nothing deleted, appended or rewritten
 
@@ -95,11 +95,9 @@ def test_init_from_hf_into_a_run_directory_is_refused(finished, corpus_dir, tmp_
     hf = tmp_path / "hf"
     checkpoint.export_hf(str(finished / "checkpoints"), str(hf))
     before = snapshot(out)
-    with pytest.raises(ValueError, match=re.escape(f"--init_from_hf={hf} starts from other weights, but --out_dir="
-                                                   f"{out} holds a run (checkpoints, metrics.jsonl, config.json) that "
-                                                   f"this launch would mix with or delete; choose a new --out_dir, "
-                                                   f"pass --overwrite to replace that run, or drop --init_from_hf to "
-                                                   f"resume it.")):
+    with pytest.raises(ValueError, match=re.escape(f"--out_dir={out} holds another run (checkpoints, metrics.jsonl, "
+                                                   f"config.json); drop --init_from_hf to resume it, choose a new "
+                                                   f"--out_dir, or pass --overwrite to replace it.")):
         train.main(*train.parse_args(args(corpus_dir, out, "--steps=6", f"--init_from_hf={hf}")))
     assert snapshot(out) == before
     stdout = run_here(args(corpus_dir, out, "--steps=1", f"--init_from_hf={hf}", "--overwrite"), capsys)
@@ -349,7 +347,7 @@ def test_extending_a_run_says_which_lr_schedule_it_follows(finished, corpus_dir,
     lrs = [r["lr"] for r in rows(out)]
     assert lrs[:4] == [r["lr"] for r in rows(finished)]
     if rule == "keep":  # the finished 4-step schedule, then its final LR
-        assert "LR schedule: the checkpoint's, laid over 4 steps, then its final LR" in stdout
+        assert "LR schedule: the checkpoint's, over 4 steps, then its final LR" in stdout
         assert lrs[4:] == [train.lr_at(3, tc4)] * 2
     else:  # the schedule laid again over 6 steps: the LR jumps back up
         assert "LR schedule: laid again over --steps=6, not the checkpoint's 4 steps" in stdout
