@@ -168,6 +168,9 @@ def config_file(path: str) -> dict:
     return raw
 
 
+TYPE_NAMES = {bool: "bool (true or false)", int: "int", float: "number", str: "string"}
+
+
 def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
     """{"table.field": value} of config file `path`, whose tables (e.g. [train], [model]) hold fields of `tables`'
     dataclasses, typed as their flags are; top-level `facts` are skipped. ValueError, one sentence."""
@@ -178,8 +181,9 @@ def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
     entries |= {key: v for key, v in raw.items() if key not in tables and key not in facts}
     values = {}
     for key, value in entries.items():
-        if key not in known:
-            close = suggest(key, known)
+        if key not in known:  # named by its field alone: "learning_rate" and "train.n_layers" find their keys
+            by_field = {k.split(".")[1]: k for k in known}
+            close = by_field.get(suggest(key.split(".")[-1], by_field))
             raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {close}?" if close else
                              f"keys are {' or '.join(f'{t}.FIELD' for t in tables)}."))
         kind = kind_of(known[key])
@@ -188,7 +192,7 @@ def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
             with contextlib.suppress(ValueError):
                 value = parse(value)
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
-            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {kind.__name__}.")
+            raise ValueError(f"--config={path} sets {key} to {value!r}, which is not a valid {TYPE_NAMES[kind]}.")
         values[key] = kind(value)
     return values
 

@@ -163,7 +163,8 @@ def log_sinks(log_to: str) -> list[str]:
             raise ValueError(f"--log_to={log_to}: {name} is not one of none, {', '.join(watch.LOG_SINKS)}"
                              + (f"; did you mean {close}?" if close else "."))
         if importlib.util.find_spec(name) is None:
-            raise ValueError(f"--log_to={name} needs the {name} package: pip install {name}")
+            raise ValueError(f"--log_to={name} needs the {name} package, which is not installed here: pip install "
+                             f"{name}")
     return names
 
 

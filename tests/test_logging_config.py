@@ -40,9 +40,11 @@ def launch_then_restart(corpus_dir, out_dir, *flags):
 
 def scalars(record: dict, prefix: str = "") -> dict:
     """A metrics.jsonl record as the sinks name its numbers: lists per MoE layer as KEY/00, KEY/01, ..., a dict's
-    entries (what a resumed launch records first, a value per data source) as KEY/NAME."""
+    entries (a value per data source) as KEY/NAME; the events' words are the console's, not a dashboard's."""
     out = {}
     for key, value in record.items():
+        if key == "events":
+            continue
         if isinstance(value, list):
             out.update({f"{prefix}{key}/{l:02d}": v for l, v in enumerate(value)})
         elif isinstance(value, dict):
