@@ -17,7 +17,6 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -289,24 +288,18 @@ def test_a_full_disk_at_a_log_step_is_said_once_and_the_run_goes_on(corpus_dir, 
 def test_healthy_runs_raise_no_spike_while_the_drills_do():
     """The loss and gradient norm of every step of the README's default CPU run (python train.py) and of one at 10x
     its LR (--lr=5e-2), recorded with the guard off (--spike_threshold=0; torch 2.13 CPU): judged with the default
-    spike settings, no step is bad, though gradient norms are heavy-tailed (the robust deviation on the linear scale
-    skips some of these healthy steps); the spike drill's x100 loss and gradients at any judged step are caught."""
+    spike settings, no step is bad; the spike drill's x100 loss and gradients at a judged step are caught there and
+    nowhere else. (These two recordings also stay within 7.1 robust deviations on the linear scale; the log scale
+    is for the heavier tails other machines' runs show: there a limit is a factor of the typical value.)"""
     runs = json.loads((Path(__file__).parent / "healthy_runs.json").read_text())
     tc = train.TrainConfig()
     quiet = SimpleNamespace(event=lambda *args: None)
-    tripped_linear = 0
     for name, steps in runs.items():
         bad = watch.BadSteps(tc, quiet)
         assert [step for step, (loss, grad) in enumerate(steps) if not bad.judge(step, step, loss, grad)] == [], name
         assert bad.recent and len(steps) == 150
-        for step in range(tc.spike_window, len(steps)):  # linear scale: median + threshold x 1.4826 x MAD
-            window = [g for _, g in steps[step - tc.spike_window:step]]
-            median = statistics.median(window)
-            mad = 1.4826 * statistics.median(abs(g - median) for g in window)
-            tripped_linear += steps[step][1] > median + tc.spike_threshold * mad
         for drilled in (tc.spike_window, 100, 149):
             bad = watch.BadSteps(tc, quiet)
             judged = [bad.judge(step, step, *((100 * loss, 100 * grad) if step == drilled else (loss, grad)))
                       for step, (loss, grad) in enumerate(steps)]
             assert [step for step, applied in enumerate(judged) if not applied] == [drilled], (name, drilled)
-    assert tripped_linear > 0  # the recorded runs are ones a linear-scale limit would have hurt
