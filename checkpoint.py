@@ -663,6 +663,19 @@ def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: 
     return shards + ([filling] if filling else [])
 
 
+def _model_entries(path: str, cfg: ModelConfig) -> dict:
+    """The .metadata entries of the model's tensors by name, each checked to be the tensor `cfg` makes."""
+    meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
+            if n.startswith("model.")}
+    expected = meta_model(cfg).state_dict()
+    missing = [n for n in expected if n not in meta]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
+                         f"e.g. {', '.join(missing[:3])}.")
+    _expect_tensors(path, meta, expected)
+    return {n: meta[n] for n in expected}
+
+
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False, dtype: str = "bfloat16") -> str:
     """Write what transformers' save_pretrained writes for checkpoint `ckpt_path`'s (or a root's newest) model in
@@ -685,15 +698,8 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         elif enc.n_vocab > cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
                              f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
-        meta = {n.removeprefix("model."): m for n, m in _Reader(path).read_metadata().state_dict_metadata.items()
-                if n.startswith("model.")}
-        expected = meta_model(cfg).state_dict()
-        names = list(expected)
-        missing = [n for n in names if n not in meta]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} model tensors its config needs, "
-                             f"e.g. {', '.join(missing[:3])}.")
-        _expect_tensors(path, meta, expected)
+        meta = _model_entries(path, cfg)
+        names = list(meta)
         torch_dtype = getattr(torch, dtype)
         pieces = [(hf, ours, index) for ours in sorted(names, key=lambda n: _natural(_hf_name(n)))
                   for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
