@@ -741,9 +741,9 @@ def bench_data(args) -> dict:
         os.environ["RAYON_NUM_THREADS"] = str(max(args.workers))
     docs = []
     chars = 0
-    for path in itertools.cycle(data._stdlib_files()):  # cut as data.py cuts plain text; repeated up to --mb
+    for path in itertools.cycle(data.stdlib_files()):  # cut as data.py cuts plain text; repeated up to --mb
         with open(path, encoding="utf-8", errors="replace") as f:
-            docs += data._paragraph_documents(f, args.doc_chars)
+            docs += data.paragraph_documents(f, args.doc_chars)
         chars += os.path.getsize(path)
         if chars >= args.mb * 1e6:
             break

@@ -224,7 +224,7 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 # --- preparing: read inputs, tokenise, write shards
 
 
-def _stdlib_files() -> list[str]:
+def stdlib_files() -> list[str]:
     found = []
     for folder, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP_DIRS)
@@ -250,7 +250,7 @@ def _resolve_inputs(inputs: list[str]) -> list[str]:
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
 
-def _paragraph_documents(f, max_chars: int):
+def paragraph_documents(f, max_chars: int):
     """A text file as documents of whole paragraphs (each with the blank lines after it), as many as fit in max_chars
     characters; a longer paragraph is cut at line ends (a line: at most max_chars). Joined, they are the file's text."""
     lines = []  # the document so far
@@ -387,7 +387,7 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
                 return
             text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
             documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
-                         _paragraph_documents(text, doc_chars))
+                         paragraph_documents(text, doc_chars))
             consumed = start
             for document in documents:  # with the bytes read since the last, for the progress bar
                 yield document, f.tell() - consumed
@@ -575,7 +575,7 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     if shard is not None:
         _require(0 <= shard[0] < shard[1], f"shard={shard[0]}/{shard[1]} must be I/N with 0 <= I < N, e.g. "
                  f"--shard=$SLURM_ARRAY_TASK_ID/1000 in an array of 1000 tasks")
-    files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
+    files = stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(encoding)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,

@@ -212,7 +212,7 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
 
 # --- Layout and mesh
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -262,14 +262,14 @@ class Layout:
                              f"world={launched}.")
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
-                             f"{_divisors(W)}.")
+                             f"{divisors(W)}.")
         S = W // R
         if S % ep:
             raise ValueError(f"ep={ep} does not divide dp_shard={S} (world {W} / dp_replicate {R}), so an expert-"
-                             f"parallel group would straddle two FSDP groups; choose ep from {_divisors(S)}.")
+                             f"parallel group would straddle two FSDP groups; choose ep from {divisors(S)}.")
         if E % ep:
             raise ValueError(f"n_experts={E} is not divisible by ep={ep}; choose ep from "
-                             f"{[d for d in _divisors(S) if E % d == 0]} (divisors of both dp_shard={S} and {E}).")
+                             f"{[d for d in divisors(S) if E % d == 0]} (divisors of both dp_shard={S} and {E}).")
         if ep > 1 and model_cfg.n_dense_layers >= model_cfg.n_layers:
             raise ValueError(f"ep={ep} but the model has no MoE layer (n_dense_layers={model_cfg.n_dense_layers} of "
                              f"n_layers={model_cfg.n_layers}); use ep=1.")

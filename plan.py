@@ -71,7 +71,7 @@ LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
 def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
     """{AC mode: {"saved": bytes kept for backward, "peak": plus the largest transient (the head's chunk at the loss,
     or a block AC re-materialises)}} of one micro-batch; c bytes per element, flash attention, balanced routing.
-    Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel._sac_policy)."""
+    Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel.py's selective policy)."""
     D = cfg.dim
     H = cfg.n_heads
     G = cfg.n_kv_heads
@@ -458,9 +458,9 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
     found = []
     tried = 0
     moe = cfg.n_dense_layers < cfg.n_layers
-    micro_batches = parallel._divisors(tc.global_batch // world)
-    for R in parallel._divisors(world):
-        eps = [e for e in parallel._divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
+    micro_batches = parallel.divisors(tc.global_batch // world)
+    for R in parallel.divisors(world):
+        eps = [e for e in parallel.divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
             candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,

@@ -492,7 +492,7 @@ def test_bad_inputs_are_one_clear_sentence(tmp_path):
 
 
 def test_default_corpus_is_the_stdlib_without_test_suites():
-    files = data._stdlib_files()
+    files = data.stdlib_files()
     names = {os.path.relpath(f, os.path.dirname(os.__file__)) for f in files}
     assert "os.py" in names and os.path.join("json", "decoder.py") in names
     assert not any(set(n.split(os.sep)) & {"test", "tests", "idlelib", "site-packages"} for n in names)
