@@ -183,12 +183,64 @@ def test_up_to_date_output_is_skipped_and_changed_input_reruns(tmp_path, capsys)
     assert prepare(*args, out, shard_tokens=200, workers=1) == first
     assert "up to date" in capsys.readouterr().err and os.stat(shard).st_mtime_ns == mtime
     (tmp_path / "corpus" / "doc_003.txt").write_text("changed")
-    second = prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    with pytest.raises(DataError, match="holds another preparation"):  # runs trained on the first resume from it
+        prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    second = prepare(*args, out, shard_tokens=200, workers=1, quiet=True, overwrite=True)
     assert second["fingerprint"] != first["fingerprint"] and "changed" in split_documents(out, "train")
-    third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True)
+    third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True, overwrite=True)
     assert third["fingerprint"] != second["fingerprint"] and len(third["splits"]["train"]) == 1
     assert sorted(os.listdir(out)) == ["manifest.json", "part_000000.json", "train_000000_000000.bin",
                                        "val_000000_000000.bin"]  # stale shards gone
+
+
+def test_another_preparation_in_out_dir_is_kept_unless_overwrite(tmp_path):
+    """Runs trained on a prepared folder resume from its tokens: preparing other inputs (or a sharded job of them) into
+    it is refused in one sentence, the folder left as it was, until --overwrite says to replace it."""
+    write_corpus(tmp_path / "a", n_docs=5, seed=0)
+    write_corpus(tmp_path / "b", n_docs=5, seed=1)
+    out = tmp_path / "out"
+    first = prepare([str(tmp_path / "a")], str(out), workers=1, quiet=True)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    for shard in (None, (0, 2)):
+        with pytest.raises(DataError, match=rf"^{re.escape(str(out))} holds another preparation \(fingerprint "
+                                            rf"{first['fingerprint']}, of 5 files\), which runs trained on it need "
+                                            rf"to resume; pass --overwrite to replace it, or choose another --out_dir"):
+            prepare([str(tmp_path / "b")], str(out), shard=shard, workers=1, quiet=True)
+        assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "b"), f"--out_dir={out}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "holds another preparation" in r.stderr and r.stderr.count("\n") == 1
+    assert prepare([str(tmp_path / "a")], str(out), workers=1, quiet=True) == first  # the same one: up to date
+    second = prepare([str(tmp_path / "b")], str(out), workers=1, quiet=True, overwrite=True)
+    assert second["fingerprint"] != first["fingerprint"] and load_manifest(str(out)) == second
+    sharded = tmp_path / "sharded"  # the parts of one sharded preparation, no manifest yet: the same rule
+    prepare([str(tmp_path / "a")], str(sharded), shard=(0, 2), workers=1, quiet=True)
+    prepare([str(tmp_path / "a")], str(sharded), shard=(1, 2), workers=1, quiet=True)
+    with pytest.raises(DataError, match="holds another preparation"):
+        prepare([str(tmp_path / "b")], str(sharded), shard=(1, 2), workers=1, quiet=True)
+
+
+def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsys):
+    """A binary file is not tokenised as text; bytes that are not text in --encoding are counted and named, and the
+    right --encoding reads them."""
+    (tmp_path / "ls").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'ls'))} holds NUL bytes in its first 8 KB, so "
+                                        rf"it is not text in utf-8; leave it out of the inputs"):
+        prepare([str(tmp_path / "ls")], str(tmp_path / "out"), workers=1, quiet=True)
+    (tmp_path / "latin.txt").write_bytes("café naïve über, déjà vu\n".encode("latin-1"))
+    manifest = prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, workers=1)
+    assert ("latin.txt: 5 characters are not utf-8 text and were read as U+FFFD; if the file is in another text "
+            "encoding, pass it, e.g. --encoding=latin-1") in capsys.readouterr().err
+    assert split_documents(str(tmp_path / "out"), "train") == ["caf\ufffd na\ufffdve \ufffdber, d\ufffdj\ufffd vu\n"]
+    assert prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, encoding="latin-1",
+                   workers=1, overwrite=True)["fingerprint"] != manifest["fingerprint"]
+    assert "U+FFFD" not in capsys.readouterr().err
+    assert split_documents(str(tmp_path / "out"), "train") == ["café naïve über, déjà vu\n"]
+    args = data._parse_args(["--tokenizer=o200k_base", "--encoding=latin-1"])
+    assert (args.tokenizer, args.encoding) == ("o200k_base", "latin-1")
+    with pytest.raises(DataError, match="encoding='nope' is not a text encoding Python knows; pass one such as "
+                                        "utf-8, latin-1 or cp1252"):
+        prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="nope", quiet=True)
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, monkeypatch):
@@ -200,7 +252,7 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, 
 
     monkeypatch.setattr(data._ShuffleBuffer, "close", killed)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(tmp_path / "corpus")], out, shard_tokens=1000, workers=1, quiet=True)
+        prepare([str(tmp_path / "corpus")], out, shard_tokens=1000, workers=1, quiet=True, overwrite=True)
     assert not os.path.exists(os.path.join(out, "manifest.json"))
     with pytest.raises(DataError, match="never finished.*python data.py"):
         DataLoader(out)
@@ -333,19 +385,20 @@ def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
     (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     fix = ("; prepare every part with the same inputs and flags, into an --out_dir that holds no other preparation's "
            "parts")
-    for other, difference in [(dict(encoding=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
+    for other, difference in [(dict(tokenizer=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
                                                                        r"'cl100k_base'"),
                               (dict(seed=1), "seed 1 against 0"),
                               (dict(part_bytes=6000), "part_bytes 6000 against 3000")]:
-        prepare(inputs, str(out), shard=(1, 2), **options | other)
+        prepare(inputs, str(out), shard=(1, 2), overwrite=True, **options | other)
         with pytest.raises(DataError, match=rf"^part_000001.json and part_000000.json come from different "
                                             rf"preparations \({difference}\){re.escape(fix)}$"):
             data.merge(str(out))
     r = merge_cli(out)
     assert r.returncode == 2 and r.stderr.startswith("error: part_000001.json and part_000000.json come from")
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    os.remove(out / "part_000001.json")  # the other preparation's part: prepared again as it should be
-    prepare(inputs, str(out), shard=(1, 2), **options)
+    with pytest.raises(DataError, match="holds another preparation"):  # parts of the others are still there
+        prepare(inputs, str(out), shard=(1, 2), **options)
+    prepare(inputs, str(out), shard=(1, 2), overwrite=True, **options)  # the odd parts prepared again as they should be
     data.merge(str(out))
     assert same_files(tmp_path / "whole", out)
 
@@ -426,7 +479,7 @@ def test_a_large_text_file_is_cut_into_documents_of_whole_paragraphs(tmp_path):
     assert split_documents(str(tmp_path / "out"), "train") == [d for i, d in enumerate(expected) if i not in held_out]
     assert manifest["options"]["doc_chars"] == doc_chars
     size = os.path.getsize(tmp_path / "book.txt")
-    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), 0, size, "text", doc_chars, None))
+    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), 0, size, "text", doc_chars, None, "utf-8"))
     assert first == expected[0] and consumed < size / 4
 
 
@@ -484,7 +537,7 @@ def test_bad_inputs_are_one_clear_sentence(tmp_path):
         prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
     (tmp_path / "empty" / "0.txt").write_text("just one document")
     with pytest.raises(DataError, match="all 1 documents were held out"):
-        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True, overwrite=True)
     with pytest.raises(DataError, match="val_fraction=1 must be at least 0 and below 1"):
         prepare([str(tmp_path / "empty")], str(tmp_path / "out"), val_fraction=1, quiet=True)
     with pytest.raises(DataError, match="tokenizer 'nope' is not available; choose one of .*cl100k_base"):
@@ -510,7 +563,7 @@ def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path
     assert "Traceback" not in missing.stderr
     workers = run("--workers=-1", "--out_dir", str(tmp_path / "out"))
     assert workers.returncode == 2 and "error: argument --workers: -1 must be at least 1 (or left" in workers.stderr
-    assert data._parse_args(["--tokenizer=o200k_base"]).encoding == "o200k_base"  # train.py's name for it
+    assert data._parse_args(["--tokenizer=o200k_base"]).tokenizer == "o200k_base"  # train.py's name for it
 
 
 # --- shard validation
