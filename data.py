@@ -747,6 +747,8 @@ def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
     if os.path.isfile(data_dir + ".idx"):
         return _megatron_manifest(data_dir)
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
+    _require(not os.path.isfile(data_dir), f"--data={data_dir} is a file; --data takes a folder that data.py prepared "
+             f"(python data.py {data_dir} --out_dir=data/NAME makes one of it) or a Megatron-LM dataset's path prefix")
     _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it, or name a "
              f"Megatron-LM dataset by its path prefix (PREFIX for PREFIX.bin and PREFIX.idx)")
     path = os.path.join(data_dir, name)
@@ -958,7 +960,9 @@ class Mixture:
                 path, _, weight = item.rpartition(":")
                 try:
                     weight = float(weight)
-                except ValueError:  # no weight: the whole item is the path
+                except ValueError:  # no weight: the whole item is the path, unless it names none
+                    _require(not path or os.path.exists(item) or os.path.exists(item + ".idx"), f"--data={spec}: the "
+                             f"weight {weight!r} of {path} is not a number; write PATH:WEIGHT, e.g. {path}:0.5")
                     path = item
                     weight = 1.0
                 _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,

@@ -806,6 +806,23 @@ def test_a_bad_mixture_is_one_sentence(three, spec, message):
         DataLoader(spec, seq_len=16)
 
 
+def test_a_misnamed_data_or_tokenizer_says_what_was_meant(fake, tmp_path):
+    """A file given as --data, a weight that is not a number, an unknown tokenizer name and data of another tokenizer
+    each say what is wrong and what works instead."""
+    (tmp_path / "corpus.txt").write_text("text")
+    with pytest.raises(DataError, match=rf"^--data={re.escape(str(tmp_path / 'corpus.txt'))} is a file; --data takes "
+                                        rf"a folder that data.py prepared \(python data.py .*corpus.txt --out_dir="):
+        Mixture(str(tmp_path / "corpus.txt"))
+    with pytest.raises(DataError, match=rf"--data={re.escape(fake)}:abc: the weight 'abc' of {re.escape(fake)} is "
+                                        rf"not a number"):
+        Mixture(f"{fake}:abc")
+    with pytest.raises(DataError, match="^tokenizer 'gpt5' is not available; choose one of .*o200k_base.*, or pass "
+                                        "the path of a Hugging Face tokenizer folder"):
+        Mixture(fake, tokenizer="gpt5")
+    with pytest.raises(DataError, match="configured for o200k_base; prepare the data with --tokenizer=o200k_base or"):
+        Mixture(fake, tokenizer="o200k_base")
+
+
 # --- Megatron-LM's indexed dataset (tests/megatron/make_fixture.py wrote it with Megatron-LM's IndexedDatasetBuilder)
 
 MEGATRON = os.path.join(REPO, "tests", "megatron", "text_document")
