@@ -46,6 +46,14 @@ from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
 
+if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+    def _interrupted(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        print("interrupted: nothing is left half-written; run the command again", file=sys.stderr)
+        sys.exit(130)
+    sys.excepthook = _interrupted
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

@@ -41,6 +41,14 @@ import sysconfig
 import tempfile
 import time
 
+if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+    def _interrupted(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        print("interrupted: the parts already finished are kept; the same command goes on from them", file=sys.stderr)
+        sys.exit(130)
+    sys.excepthook = _interrupted
+
 import numpy as np
 import tiktoken
 import torch

@@ -11,8 +11,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -564,6 +566,35 @@ def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path
     workers = run("--workers=-1", "--out_dir", str(tmp_path / "out"))
     assert workers.returncode == 2 and "error: argument --workers: -1 must be at least 1 (or left" in workers.stderr
     assert data._parse_args(["--tokenizer=o200k_base"]).tokenizer == "o200k_base"  # train.py's name for it
+
+
+def interrupted(args, cwd, ready) -> subprocess.CompletedProcess:
+    """A command sent Ctrl-C (SIGINT) once ready(pid, stderr so far) holds: its exit code and output."""
+    p = subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.set_blocking(p.stderr.fileno(), False)
+    err = b""
+    while not ready(p.pid, err.decode()) and p.poll() is None:
+        err += p.stderr.read() or b""
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    out, rest = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out.decode(), (err + rest).decode())
+
+
+def test_ctrl_c_while_starting_or_working_is_one_line_and_exit_code_130(tmp_path):
+    def loading_torch(pid, err):
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    for args, ready, message in [
+        (["data.py", "--workers=1"], lambda pid, err: "tokenizing" in err, "the parts already finished are kept"),
+        (["data.py"], loading_torch, "the parts already finished are kept"),
+        (["train.py"], loading_torch, "no checkpoint written"),
+        (["checkpoint.py", "export", "out/checkpoints", "hf"], loading_torch, "nothing is left half-written"),
+    ]:
+        r = interrupted([os.path.join(REPO, args[0]), *args[1:]], tmp_path, ready)
+        assert r.returncode == 130 and r.stderr.splitlines()[-1].startswith(f"interrupted: {message}"), r.stderr
+        assert "Traceback" not in r.stderr
 
 
 # --- shard validation
