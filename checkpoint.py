@@ -900,7 +900,9 @@ _SAMPLE_FLAGS = [  # flag, type, default, rule, help
      "sample among the most likely tokens whose probability reaches p (1: all)"),
     ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
     ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
-    ("--seed", int, 0, None, "the same seed gives the same samples")]
+    ("--seed", int, 0, None, "the same seed gives the same samples"),
+    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"), "CPU threads (0: torch's, one per core); on a "
+     "busy machine 1 can be many times faster, as threads waiting for a core stall each other")]
 
 
 def _sample(args):
@@ -911,6 +913,8 @@ def _sample(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
@@ -936,9 +940,9 @@ def _sample(args):
         row = up_to_stop(row, len(ids), stop_id)
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
+    on = f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
     print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "
-          f"on {device.type}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}",
-          file=sys.stderr)
+          f"on {on}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
