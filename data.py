@@ -418,7 +418,7 @@ def _documents(path: str, start: int, end: int, text_field: str, doc_chars: int,
                 for number, line in enumerate(piece):
                     try:
                         record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
-                    except json.JSONDecodeError as e:
+                    except ValueError as e:  # bad JSON, or bytes that are not utf-8
                         raise DataError(f"{path} line {_line_number(path, begin) + number} is not valid JSON ({e}); "
                                         f"fix or remove that line") from None
                     text = record.get(text_field) if isinstance(record, dict) else None

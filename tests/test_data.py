@@ -238,6 +238,9 @@ def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsy
                    workers=1, overwrite=True)["fingerprint"] != manifest["fingerprint"]
     assert "U+FFFD" not in capsys.readouterr().err
     assert split_documents(str(tmp_path / "out"), "train") == ["café naïve über, déjà vu\n"]
+    (tmp_path / "latin.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))  # JSON is utf-8: an error
+    with pytest.raises(DataError, match=r"latin.jsonl line 1 is not valid JSON \('utf-8' codec can't decode byte 0xe9"):
+        prepare([str(tmp_path / "latin.jsonl")], str(tmp_path / "out3"), workers=1, quiet=True)
     args = data._parse_args(["--tokenizer=o200k_base", "--encoding=latin-1"])
     assert (args.tokenizer, args.encoding) == ("o200k_base", "latin-1")
     with pytest.raises(DataError, match="encoding='nope' is not a text encoding Python knows; pass one such as "
