@@ -13,6 +13,7 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
     python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
     python checkpoint.py export out/ckpt out/hf --dtype=float32  # full precision (default: bfloat16, as published)
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
+    python checkpoint.py sample out/ckpt --threads=1   # on a busy CPU: many times faster than a thread per core
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     pending.wait()                                           # before the next save; pending.done(): written

@@ -637,9 +637,10 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, to
                  f"--shard=$SLURM_ARRAY_TASK_ID/1000 in an array of 1000 tasks")
     try:
         codecs.lookup(encoding)
-    except LookupError:
-        raise DataError(f"encoding={encoding!r} is not a text encoding Python knows; pass one such as utf-8, latin-1 "
-                        f"or cp1252") from None
+    except LookupError:  # --encoding named the tokenizer before it named the text encoding
+        named = f" (the tokenizer is --tokenizer={encoding})" if encoding in tiktoken.list_encoding_names() else ""
+        raise DataError(f"encoding={encoding!r} is not a text encoding Python knows{named}; pass one such as utf-8, "
+                        f"latin-1 or cp1252") from None
     files = _stdlib_files() if inputs is None else _resolve_inputs(inputs)
     enc = get_encoding(tokenizer)
     tokenizer = enc.name.removesuffix("_offline")

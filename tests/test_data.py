@@ -246,6 +246,9 @@ def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsy
     with pytest.raises(DataError, match="encoding='nope' is not a text encoding Python knows; pass one such as "
                                         "utf-8, latin-1 or cp1252"):
         prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="nope", quiet=True)
+    with pytest.raises(DataError, match=r"'o200k_base' is not a text encoding Python knows \(the tokenizer is "
+                                        r"--tokenizer=o200k_base\)"):
+        prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="o200k_base", quiet=True)
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, monkeypatch):
