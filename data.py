@@ -160,7 +160,7 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
     if _is_folder(name):
         _require(os.path.isfile(os.path.join(name, "tokenizer.json")), f"tokenizer {name!r} is not a folder holding "
                  f"tokenizer.json; pass a Hugging Face tokenizer folder (tokenizer.save_pretrained writes one) or a "
-                 f"tiktoken encoding name")
+                 f"tiktoken encoding name such as cl100k_base (bundled) or o200k_base")
         return HFTokenizer(name)
     try:
         return tiktoken.get_encoding(_registered(name))
