@@ -285,8 +285,12 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
-    if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
-        raise FileNotFoundError(f"--save={args.save}: its folder does not exist; create it or save elsewhere.")
+    # a baseline that cannot be written fails now, not after the benchmark: a folder, a read-only file or folder
+    writable = os.path.isfile(args.save) and os.access(args.save, os.W_OK) or not os.path.exists(args.save) and \
+        os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK | os.X_OK)
+    if args.save and not writable:
+        raise FileNotFoundError(f"--save={args.save} cannot be written (a folder, read-only, or in a folder that does "
+                                f"not exist); pass a file path in a folder you can write to.")
     model, optimizer = train.build(run)
     momentum_LE = torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device)
     steps = [0]

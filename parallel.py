@@ -96,6 +96,14 @@ def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int
         with contextlib.suppress(OSError, AttributeError):
             for option in (-3, -1):
                 ctypes.CDLL("libc.so.6").mallopt(option, 1 << 30)
+        # torch runs a thread per core; on cores busy with other work its threads wait for each other (measured on 2
+        # busy cores: a tiny step 29 s with 2 threads, 3 s with 1). torchrun already gives each of N > 1 ranks one.
+        threads = torch.get_num_threads()
+        with contextlib.suppress(OSError, AttributeError):  # the load average: Unix only
+            if threads > 1 and os.getloadavg()[0] > threads:
+                print(f"warning: the CPU is busy (load {os.getloadavg()[0]:.1f} on {threads} threads), so torch's "
+                      f"{threads} threads may run many times slower than one; set OMP_NUM_THREADS=1 (README)",
+                      file=sys.stderr)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":

@@ -25,6 +25,14 @@ import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+    def _interrupted(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, value, traceback)
+        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+        sys.exit(130)
+    sys.excepthook = _interrupted
+
 import torch
 import torch.distributed as dist
 

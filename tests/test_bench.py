@@ -48,6 +48,15 @@ def test_vs_hf_times_both_on_the_same_config(capsys):
     assert out["first_loss_diff"] < 1e-4  # the same weights give the same LM loss: the same model was timed
 
 
+def test_an_unwritable_save_path_is_refused_before_the_benchmark(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "build", None)  # reaching the build would be too late
+    for path in (tmp_path, tmp_path / "missing" / "base.json"):
+        assert bench.main([f"--save={path}", *TINY_MODEL_FLAGS, "--vocab_size=512", "--seq_len=32", "--threads=1"]) == 2
+        assert capsys.readouterr().err == (f"error: --save={path} cannot be written (a folder, read-only, or in a "
+                                           f"folder that does not exist); pass a file path in a folder you can write "
+                                           f"to.\n")
+
+
 def test_training_step_report(capsys):
     code, out = run_json(capsys, ["--preset=tiny", *TINY_MODEL_FLAGS, "--vocab_size=512", "--seq_len=32",
                                   "--global_batch=4", "--micro_batch=2", "--warmup=1", "--iters=2", "--threads=1",

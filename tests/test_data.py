@@ -11,8 +11,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,12 +185,70 @@ def test_up_to_date_output_is_skipped_and_changed_input_reruns(tmp_path, capsys)
     assert prepare(*args, out, shard_tokens=200, workers=1) == first
     assert "up to date" in capsys.readouterr().err and os.stat(shard).st_mtime_ns == mtime
     (tmp_path / "corpus" / "doc_003.txt").write_text("changed")
-    second = prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    with pytest.raises(DataError, match="holds another preparation"):  # runs trained on the first resume from it
+        prepare(*args, out, shard_tokens=200, workers=1, quiet=True)
+    second = prepare(*args, out, shard_tokens=200, workers=1, quiet=True, overwrite=True)
     assert second["fingerprint"] != first["fingerprint"] and "changed" in split_documents(out, "train")
-    third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True)
+    third = prepare(*args, out, shard_tokens=10**6, workers=1, quiet=True, overwrite=True)
     assert third["fingerprint"] != second["fingerprint"] and len(third["splits"]["train"]) == 1
     assert sorted(os.listdir(out)) == ["manifest.json", "part_000000.json", "train_000000_000000.bin",
                                        "val_000000_000000.bin"]  # stale shards gone
+
+
+def test_another_preparation_in_out_dir_is_kept_unless_overwrite(tmp_path):
+    """Runs trained on a prepared folder resume from its tokens: preparing other inputs (or a sharded job of them) into
+    it is refused in one sentence, the folder left as it was, until --overwrite says to replace it."""
+    write_corpus(tmp_path / "a", n_docs=5, seed=0)
+    write_corpus(tmp_path / "b", n_docs=5, seed=1)
+    out = tmp_path / "out"
+    first = prepare([str(tmp_path / "a")], str(out), workers=1, quiet=True)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    for shard in (None, (0, 2)):
+        with pytest.raises(DataError, match=rf"^{re.escape(str(out))} holds another preparation \(fingerprint "
+                                            rf"{first['fingerprint']}, of 5 files\), which runs trained on it need "
+                                            rf"to resume; pass --overwrite to replace it, or choose another --out_dir"):
+            prepare([str(tmp_path / "b")], str(out), shard=shard, workers=1, quiet=True)
+        assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "b"), f"--out_dir={out}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "holds another preparation" in r.stderr and r.stderr.count("\n") == 1
+    assert prepare([str(tmp_path / "a")], str(out), workers=1, quiet=True) == first  # the same one: up to date
+    second = prepare([str(tmp_path / "b")], str(out), workers=1, quiet=True, overwrite=True)
+    assert second["fingerprint"] != first["fingerprint"] and load_manifest(str(out)) == second
+    sharded = tmp_path / "sharded"  # the parts of one sharded preparation, no manifest yet: the same rule
+    prepare([str(tmp_path / "a")], str(sharded), shard=(0, 2), workers=1, quiet=True)
+    prepare([str(tmp_path / "a")], str(sharded), shard=(1, 2), workers=1, quiet=True)
+    with pytest.raises(DataError, match="holds another preparation"):
+        prepare([str(tmp_path / "b")], str(sharded), shard=(1, 2), workers=1, quiet=True)
+
+
+def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsys):
+    """A binary file is not tokenised as text; bytes that are not text in --encoding are counted and named, and the
+    right --encoding reads them."""
+    (tmp_path / "ls").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'ls'))} holds NUL bytes in its first 8 KB, so "
+                                        rf"it is not text in utf-8; leave it out of the inputs"):
+        prepare([str(tmp_path / "ls")], str(tmp_path / "out"), workers=1, quiet=True)
+    (tmp_path / "latin.txt").write_bytes("café naïve über, déjà vu\n".encode("latin-1"))
+    manifest = prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, workers=1)
+    assert ("latin.txt: 5 characters are not utf-8 text and were read as U+FFFD; if the file is in another text "
+            "encoding, pass it, e.g. --encoding=latin-1") in capsys.readouterr().err
+    assert split_documents(str(tmp_path / "out"), "train") == ["caf\ufffd na\ufffdve \ufffdber, d\ufffdj\ufffd vu\n"]
+    assert prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, encoding="latin-1",
+                   workers=1, overwrite=True)["fingerprint"] != manifest["fingerprint"]
+    assert "U+FFFD" not in capsys.readouterr().err
+    assert split_documents(str(tmp_path / "out"), "train") == ["café naïve über, déjà vu\n"]
+    (tmp_path / "latin.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))  # JSON is utf-8: an error
+    with pytest.raises(DataError, match=r"latin.jsonl line 1 is not valid JSON \('utf-8' codec can't decode byte 0xe9"):
+        prepare([str(tmp_path / "latin.jsonl")], str(tmp_path / "out3"), workers=1, quiet=True)
+    args = data._parse_args(["--tokenizer=o200k_base", "--encoding=latin-1"])
+    assert (args.tokenizer, args.encoding) == ("o200k_base", "latin-1")
+    with pytest.raises(DataError, match="encoding='nope' is not a text encoding Python knows; pass one such as "
+                                        "utf-8, latin-1 or cp1252"):
+        prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="nope", quiet=True)
+    with pytest.raises(DataError, match=r"'o200k_base' is not a text encoding Python knows \(the tokenizer is "
+                                        r"--tokenizer=o200k_base\)"):
+        prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="o200k_base", quiet=True)
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, monkeypatch):
@@ -200,7 +260,7 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(prepared, tmp_path, 
 
     monkeypatch.setattr(data._ShuffleBuffer, "close", killed)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(tmp_path / "corpus")], out, shard_tokens=1000, workers=1, quiet=True)
+        prepare([str(tmp_path / "corpus")], out, shard_tokens=1000, workers=1, quiet=True, overwrite=True)
     assert not os.path.exists(os.path.join(out, "manifest.json"))
     with pytest.raises(DataError, match="never finished.*python data.py"):
         DataLoader(out)
@@ -333,19 +393,20 @@ def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
     (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     fix = ("; prepare every part with the same inputs and flags, into an --out_dir that holds no other preparation's "
            "parts")
-    for other, difference in [(dict(encoding=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
+    for other, difference in [(dict(tokenizer=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
                                                                        r"'cl100k_base'"),
                               (dict(seed=1), "seed 1 against 0"),
                               (dict(part_bytes=6000), "part_bytes 6000 against 3000")]:
-        prepare(inputs, str(out), shard=(1, 2), **options | other)
+        prepare(inputs, str(out), shard=(1, 2), overwrite=True, **options | other)
         with pytest.raises(DataError, match=rf"^part_000001.json and part_000000.json come from different "
                                             rf"preparations \({difference}\){re.escape(fix)}$"):
             data.merge(str(out))
     r = merge_cli(out)
     assert r.returncode == 2 and r.stderr.startswith("error: part_000001.json and part_000000.json come from")
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    os.remove(out / "part_000001.json")  # the other preparation's part: prepared again as it should be
-    prepare(inputs, str(out), shard=(1, 2), **options)
+    with pytest.raises(DataError, match="holds another preparation"):  # parts of the others are still there
+        prepare(inputs, str(out), shard=(1, 2), **options)
+    prepare(inputs, str(out), shard=(1, 2), overwrite=True, **options)  # the odd parts prepared again as they should be
     data.merge(str(out))
     assert same_files(tmp_path / "whole", out)
 
@@ -426,7 +487,7 @@ def test_a_large_text_file_is_cut_into_documents_of_whole_paragraphs(tmp_path):
     assert split_documents(str(tmp_path / "out"), "train") == [d for i, d in enumerate(expected) if i not in held_out]
     assert manifest["options"]["doc_chars"] == doc_chars
     size = os.path.getsize(tmp_path / "book.txt")
-    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), 0, size, "text", doc_chars, None))
+    first, consumed = next(data._read_documents(str(tmp_path / "book.txt"), 0, size, "text", doc_chars, None, "utf-8"))
     assert first == expected[0] and consumed < size / 4
 
 
@@ -484,7 +545,7 @@ def test_bad_inputs_are_one_clear_sentence(tmp_path):
         prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
     (tmp_path / "empty" / "0.txt").write_text("just one document")
     with pytest.raises(DataError, match="all 1 documents were held out"):
-        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True)
+        prepare([str(tmp_path / "empty")], str(tmp_path / "out"), workers=1, quiet=True, overwrite=True)
     with pytest.raises(DataError, match="val_fraction=1 must be at least 0 and below 1"):
         prepare([str(tmp_path / "empty")], str(tmp_path / "out"), val_fraction=1, quiet=True)
     with pytest.raises(DataError, match="tokenizer 'nope' is not available; choose one of .*cl100k_base"):
@@ -510,7 +571,36 @@ def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path
     assert "Traceback" not in missing.stderr
     workers = run("--workers=-1", "--out_dir", str(tmp_path / "out"))
     assert workers.returncode == 2 and "error: argument --workers: -1 must be at least 1 (or left" in workers.stderr
-    assert data._parse_args(["--tokenizer=o200k_base"]).encoding == "o200k_base"  # train.py's name for it
+    assert data._parse_args(["--tokenizer=o200k_base"]).tokenizer == "o200k_base"  # train.py's name for it
+
+
+def interrupted(args, cwd, ready) -> subprocess.CompletedProcess:
+    """A command sent Ctrl-C (SIGINT) once ready(pid, stderr so far) holds: its exit code and output."""
+    p = subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.set_blocking(p.stderr.fileno(), False)
+    err = b""
+    while not ready(p.pid, err.decode()) and p.poll() is None:
+        err += p.stderr.read() or b""
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    out, rest = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out.decode(), (err + rest).decode())
+
+
+def test_ctrl_c_while_starting_or_working_is_one_line_and_exit_code_130(tmp_path):
+    def loading_torch(pid, err):
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    for args, ready, message in [
+        (["data.py", "--workers=1"], lambda pid, err: "tokenizing" in err, "the parts already finished are kept"),
+        (["data.py"], loading_torch, "the parts already finished are kept"),
+        (["train.py"], loading_torch, "no checkpoint written"),
+        (["checkpoint.py", "export", "out/checkpoints", "hf"], loading_torch, "nothing is left half-written"),
+    ]:
+        r = interrupted([os.path.join(REPO, args[0]), *args[1:]], tmp_path, ready)
+        assert r.returncode == 130 and r.stderr.splitlines()[-1].startswith(f"interrupted: {message}"), r.stderr
+        assert "Traceback" not in r.stderr
 
 
 # --- shard validation
@@ -751,6 +841,23 @@ def test_a_bad_mixture_is_one_sentence(three, spec, message):
     spec = spec.format(a=three[0], b=three[1])
     with pytest.raises(DataError, match=re.escape(f"--data={spec}: {message.format(a=three[0], b=three[1])}")):
         DataLoader(spec, seq_len=16)
+
+
+def test_a_misnamed_data_or_tokenizer_says_what_was_meant(fake, tmp_path):
+    """A file given as --data, a weight that is not a number, an unknown tokenizer name and data of another tokenizer
+    each say what is wrong and what works instead."""
+    (tmp_path / "corpus.txt").write_text("text")
+    with pytest.raises(DataError, match=rf"^--data={re.escape(str(tmp_path / 'corpus.txt'))} is a file; --data takes "
+                                        rf"a folder that data.py prepared \(python data.py .*corpus.txt --out_dir="):
+        Mixture(str(tmp_path / "corpus.txt"))
+    with pytest.raises(DataError, match=rf"--data={re.escape(fake)}:abc: the weight 'abc' of {re.escape(fake)} is "
+                                        rf"not a number"):
+        Mixture(f"{fake}:abc")
+    with pytest.raises(DataError, match="^tokenizer 'gpt5' is not available; choose one of .*o200k_base.*, or pass "
+                                        "the path of a Hugging Face tokenizer folder"):
+        Mixture(fake, tokenizer="gpt5")
+    with pytest.raises(DataError, match="configured for o200k_base; prepare the data with --tokenizer=o200k_base or"):
+        Mixture(fake, tokenizer="o200k_base")
 
 
 # --- Megatron-LM's indexed dataset (tests/megatron/make_fixture.py wrote it with Megatron-LM's IndexedDatasetBuilder)

@@ -11,6 +11,7 @@ layouts on NCCL, one GPU per rank, against one process on a GPU (a check of EP a
 
     python -m pytest -q --nccl tests/test_parallel.py"""
 
+import os
 import sys
 from pathlib import Path
 
@@ -363,3 +364,19 @@ def test_fully_checkpointed_blocks_compile():
 if __name__ == "__main__":
     OUT = Path(sys.argv[2])
     run_worker(worker, sys.argv[1])
+
+
+def test_a_busy_cpu_is_named_with_the_thread_setting_that_helps(monkeypatch, capsys):
+    """torch's thread per core on busy cores can be ~10x slower than one thread (README): said at start, on CPU."""
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(parallel, "use_cuda", lambda: False)
+    try:
+        torch.set_num_threads(2)
+        for load, said in ((9.0, True), (1.0, False)):
+            monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+            assert parallel.init_distributed() == (0, 1, torch.device("cpu"))
+            assert ("warning: the CPU is busy (load 9.0 on 2 threads), so torch's 2 threads may run many times slower "
+                    "than one; set OMP_NUM_THREADS=1 (README)\n" == capsys.readouterr().err) is said
+    finally:
+        torch.set_num_threads(threads)

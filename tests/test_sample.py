@@ -172,6 +172,20 @@ def sample_cli(capsys, *argv):
     return code, out, err
 
 
+def test_cli_threads_set_the_cpu_threads_and_keep_the_samples(saved, capsys):
+    """--threads=1: on a busy machine many times faster than a thread per core (README), the same tokens."""
+    _, out = saved
+    threads = torch.get_num_threads()
+    try:
+        greedy = [str(out / "ckpt"), "--prompt=def ", "--max_new_tokens=6", "--temperature=0"]
+        one = sample_cli(capsys, *greedy, "--threads=1")
+        assert one[0] == 0 and "tokens/s on cpu, 1 threads)" in one[2] and torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+        assert sample_cli(capsys, *greedy)[1] == one[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cli_samples_a_checkpoint_and_its_hf_export(saved, capsys):
     import data
     model, out = saved

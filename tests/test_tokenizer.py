@@ -110,7 +110,7 @@ def test_hugging_face_tokenizer_folder_prepares_trains_and_exports(tmp_path):
         assert np.array_equal(train_tokens, expected) and (train_tokens == eos).sum() == len(docs) - 1
     moved = str(shutil.copytree(tok_dir, tmp_path / "moved"))  # the same tokenizer elsewhere: prepared again
     assert data.prepare([str(tmp_path / "docs.jsonl")], out[1], moved, val_fraction=1 / len(docs), shuffle_docs=False,
-                        workers=1, quiet=True)["tokenizer_path"] == moved
+                        workers=1, quiet=True, overwrite=True)["tokenizer_path"] == moved
 
     run = tmp_path / "run"
     tc, overrides = train.parse_args(run_args(out[2], run, "--steps=2", "--sample_tokens=4", f"--tokenizer={tok_dir}"))
