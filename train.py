@@ -463,7 +463,7 @@ def compare_settings(resume_from: str, resolved: dict):
         if name in changed:
             raise ValueError(f"--{name}={changed[name][1]} differs from checkpoint {path}'s {changed[name][0]}, which "
                              f"fixes the data order; resume with --{name}={changed[name][0]}, or start a new run.")
-    for name in set(CHANGEABLE) & set(changed) - set(listed(resolved["train"]["allow_changed"])):
+    for name in [n for n in CHANGEABLE if n in changed and n not in listed(resolved["train"]["allow_changed"])]:
         old, new = changed[name]
         how = "its contents changed since; restore them" if old == new else f"{old}); resume with --{name}={old}"
         raise ValueError(f"--{name}={new} is not the {name} checkpoint {path} was trained on ({how}, or pass "
