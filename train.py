@@ -14,7 +14,6 @@ what keeps an unattended run alive (lease, signals, watchdog, events, bad steps,
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -56,7 +55,6 @@ from model import (
     pad_vocab,
     read_settings,
     refuse_unknown,
-    suggest,
     update_expert_bias,
 )
 from parallel import say
@@ -153,27 +151,13 @@ class TrainConfig:
 
     def __post_init__(self):
         check(self)
-        log_sinks(self.log_to)  # a sink without its package is refused too, before any data or model is touched
+        watch.log_sinks(self.log_to)  # a sink without its package is refused before any data or model is touched
         watch.parse_drills(self.drill)
 
 
 def listed(text: str) -> list[str]:
     """The items of a comma-separated flag value, blanks dropped."""
     return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names, refused in a sentence if unknown or not installed."""
-    names = [] if log_to == "none" else listed(log_to)
-    for name in names:
-        if name not in watch.LOG_SINKS:
-            close = suggest(name, watch.LOG_SINKS)
-            raise ValueError(f"--log_to={log_to}: {name} is not one of none, {', '.join(watch.LOG_SINKS)}"
-                             + (f"; did you mean {close}?" if close else "."))
-        if importlib.util.find_spec(name) is None:
-            raise ValueError(f"--log_to={name} needs the {name} package, which is not installed here: pip install "
-                             f"{name}")
-    return names
 
 
 # --- command line: every TrainConfig and ModelConfig field is a --flag=value option
@@ -699,7 +683,7 @@ def setup_and_train(run: Run, resolved: dict, resume_from: str | None) -> dict:
     drills = watch.Drills(tc.drill, run.rank, run.layout.world)
     drills.skew_router(model)
     state = TrainState(0, torch.zeros(len(model.moe_layers()), run.cfg.n_experts, device=run.device), tc)
-    events = watch.Events(tc.out_dir, run.master, log_sinks(tc.log_to), tc.on_event, resolved)
+    events = watch.Events(tc.out_dir, run.master, watch.log_sinks(tc.log_to), tc.on_event, resolved)
     bad_steps = watch.BadSteps(tc, events)
     saved = restore(resume_from, run, model, optimizer, state, bad_steps) if resume_from else None
     if saved is None:

@@ -13,6 +13,7 @@ train.py reaches it through a few objects made per launch: Lease, Events, BadSte
 
 import contextlib
 import faulthandler
+import importlib.util
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel
-from model import max_vio, meta_model
+from model import max_vio, meta_model, suggest
 from parallel import say
 
 
@@ -149,6 +150,20 @@ def stop(message: str, code: int = 1):
 
 EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is killed
 LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each the name of the package it needs
+
+
+def log_sinks(log_to: str) -> list[str]:
+    """The sinks --log_to names, refused in a sentence if unknown or not installed."""
+    names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
+    for name in names:
+        if name not in LOG_SINKS:
+            close = suggest(name, LOG_SINKS)
+            raise ValueError(f"--log_to={log_to}: {name} is not one of none, {', '.join(LOG_SINKS)}"
+                             + (f"; did you mean {close}?" if close else "."))
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"--log_to={name} needs the {name} package, which is not installed here: pip install "
+                             f"{name}")
+    return names
 
 
 class Events:
