@@ -482,9 +482,11 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
             from torchao.quantization.quantize_.common import KernelPreference
             kernels = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
             self.linear = lambda x, w: _to_mxfp8_then_scaled_mm(x, w, kernels, ScaleCalculationMode.RCEIL)
-            # bf16 out, as on a GPU (the emulation's dequantised operands are bf16 on CPU too)
+            # Each expert's token group padded to a multiple of 32: the weight gradient's scaling blocks run along
+            # tokens, and a block must not span two experts (nor can a rank's token count be left to chance). bf16
+            # out, as on a GPU (the emulation's dequantised operands are bf16 on CPU too).
             self.grouped = functools.partial(_to_mxfp8_then_scaled_grouped_mm, kernel_preference=kernels,
-                                             out_dtype=torch.bfloat16)
+                                             out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=True)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
