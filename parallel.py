@@ -458,13 +458,15 @@ ALIGN = {"fp8": 16, "mxfp8": 32}
 
 
 class LowPrecision(torch.overrides.TorchFunctionMode):
-    """Active inside a converted module's forward: F.linear, and in MXFP8 the grouped GEMM over token groups, run as
-    torchao's FP8 (rowwise scales) or MXFP8 matmuls, forward and backward; the fp32 master weights are cast per call
-    and nothing else changes. On CPU torchao emulates them (quantise, dequantise, matmul in high precision)."""
+    """Active inside a converted module's forward: a linear's F.linear, or the routed experts' grouped GEMM over token
+    groups (MXFP8), runs as torchao's FP8 (rowwise scales) or MXFP8 matmul, forward and backward; the fp32 master
+    weights are cast per call and nothing else changes. On CPU torchao emulates them (quantise, dequantise, matmul
+    in high precision). The experts' per-expert loop (no grouped GEMM) stays in high precision."""
 
-    def __init__(self, precision: str, device: torch.device):
+    def __init__(self, precision: str, device: torch.device, experts: bool):
         super().__init__()
-        self.precision = precision
+        self.align = ALIGN[precision]
+        self.experts = experts
         emulate = device.type != "cuda"
         if precision == "fp8":
             from torchao.float8 import Float8LinearConfig
@@ -474,7 +476,6 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
             mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in (
                 c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
             self.linear = lambda x, w: matmul_with_hp_or_float8_args.apply(x, w.t(), mm, c)
-            self.grouped = None  # torchao's FP8 grouped GEMM is CUDA-only and needs token groups padded to 16
         else:
             from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
             from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
@@ -490,12 +491,17 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and (args[2:] or [kwargs.get("bias")])[0] is None:  # the blocks' linears have no bias
+        if not self.experts and func is F.linear and (args[2:] or [kwargs.get("bias")])[0] is None:
             x, w = args[:2]
+            tokens = x.numel() // x.shape[-1]
+            if torch.is_grad_enabled() and tokens % self.align:  # the weight gradient reduces over the tokens
+                raise ValueError(f"--precision={'fp8' if self.align == 16 else 'mxfp8'} needs the tokens of a "
+                                 f"micro-batch (micro_batch x seq_len) to be a multiple of {self.align}, but there "
+                                 f"are {tokens}; change --seq_len or --micro_batch.")
             if torch.is_autocast_enabled(x.device.type):  # what autocast would have done to F.linear's input
                 x = x.to(torch.get_autocast_dtype(x.device.type))
             return self.linear(x, w)
-        if func is torch._grouped_mm and self.grouped is not None and args[0].dim() == 2 and args[1].dim() == 3:
+        if self.experts and func is torch._grouped_mm and args[0].dim() == 2 and args[1].dim() == 3:
             # The weight gradient's grouped GEMM runs on the output gradient's transpose: a stride-0 gradient (of a
             # sum) has no valid transpose layout for it on CPU, so it is made contiguous first.
             return _Contiguous.apply(self.grouped(args[0], args[1], offs=kwargs["offs"]))
@@ -553,11 +559,13 @@ def set_precision(model: Transformer, precision: str, device: torch.device):
     state stay as they are, so a rollback can return a run to bf16 in place."""
     if getattr(model, "precision", None) == precision:  # unchanged: a compiled block keeps its graphs
         return
-    mode = None if precision == "bf16" else LowPrecision(precision, device)
     for _, module in low_precision_modules(model, "mxfp8"):
         module.__dict__.pop("forward", None)
-    for _, module in low_precision_modules(model, precision) if mode is not None else []:
-        module.forward = functools.partial(_in_mode, mode, type(module).forward.__get__(module))
+    if precision != "bf16":
+        modes = {experts: LowPrecision(precision, device, experts) for experts in (False, True)}
+        for _, module in low_precision_modules(model, precision):
+            mode = modes[isinstance(module, GroupedExperts)]
+            module.forward = functools.partial(_in_mode, mode, type(module).forward.__get__(module))
     model.precision = precision
 
 

@@ -139,12 +139,20 @@ DENSE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.gate_proj", "attn.o_
 MOE = DENSE[:5] + ("ffn.shared.gate_proj", "ffn.shared.up_proj", "ffn.shared.down_proj")
 
 
-def test_a_width_off_the_scaling_block_is_refused_in_one_sentence():
+def test_widths_and_token_counts_off_the_scaling_block_are_refused_in_one_sentence():
     odd = ModelConfig(**{**CFG.__dict__, "expert_hidden": 16})
     with pytest.raises(ValueError, match=r"--precision=mxfp8 scales blocks of 32 values, but expert_hidden x "
                                          r"n_shared_experts = 16, expert_hidden = 16 is not a multiple of 32"):
         parallel.check_precision("mxfp8", odd, CPU)
     parallel.check_precision("fp8", odd, CPU)  # fp8 leaves the experts alone, and 16 fits its scaled GEMMs
+    # A weight gradient reduces over the tokens: a micro-batch of 14 is refused when training, not when sampling.
+    model = parallel.build_model(CFG, parallel.Layout(1), None, CPU, precision="mxfp8")
+    short = tokens(1, 1)[0, :, :15]
+    with pytest.raises(ValueError, match=r"--precision=mxfp8 needs the tokens of a micro-batch \(micro_batch x "
+                                         r"seq_len\) to be a multiple of 32, but there are 14; change --seq_len"):
+        model(short[:, :-1], targets_BT=short[:, 1:])
+    with torch.no_grad():
+        assert torch.isfinite(model(short[:, :-1], targets_BT=short[:, 1:]))
 
 
 # --- 20 steps of training
