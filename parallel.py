@@ -502,22 +502,8 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
             return self.linear(x, w)
         if self.experts and func is torch._grouped_mm and args[0].dim() == 2 and args[1].dim() == 3:
-            # The weight gradient's grouped GEMM runs on the output gradient's transpose: a stride-0 gradient (of a
-            # sum) has no valid transpose layout for it on CPU, so it is made contiguous first.
-            return _Contiguous.apply(self.grouped(args[0], args[1], offs=kwargs["offs"]))
+            return self.grouped(args[0], args[1], offs=kwargs["offs"])
         return func(*args, **kwargs)
-
-
-class _Contiguous(torch.autograd.Function):
-    """The identity, whose backward hands on a contiguous gradient."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy.contiguous()
 
 
 def low_precision_modules(model: Transformer, precision: str) -> list[tuple[str, nn.Module]]:

@@ -139,7 +139,7 @@ DENSE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.gate_proj", "attn.o_
 MOE = DENSE[:5] + ("ffn.shared.gate_proj", "ffn.shared.up_proj", "ffn.shared.down_proj")
 
 
-def test_widths_and_token_counts_off_the_scaling_block_are_refused_in_one_sentence():
+def test_widths_and_token_counts_off_the_scaling_block_are_refused_in_one_sentence(monkeypatch):
     odd = ModelConfig(**{**CFG.__dict__, "expert_hidden": 16})
     with pytest.raises(ValueError, match=r"--precision=mxfp8 scales blocks of 32 values, but expert_hidden x "
                                          r"n_shared_experts = 16, expert_hidden = 16 is not a multiple of 32"):
@@ -153,6 +153,9 @@ def test_widths_and_token_counts_off_the_scaling_block_are_refused_in_one_senten
         model(short[:, :-1], targets_BT=short[:, 1:])
     with torch.no_grad():
         assert torch.isfinite(model(short[:, :-1], targets_BT=short[:, 1:]))
+    monkeypatch.setattr(parallel.importlib.util, "find_spec", lambda name: None)  # torchao not installed
+    with pytest.raises(ValueError, match=r"--precision=fp8 needs torchao: pip install torchao==0.18.0"):
+        parallel.check_precision("fp8", CFG, CPU)
 
 
 # --- 20 steps of training
