@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import bench
+import checkpoint
 import parallel
 import train
 from conftest import run_worker, torchrun
 from model import GroupedExperts, ModelConfig, meta_model
 from test_health import BURST, GUARD
-from test_resume import EXACT, args, rows, run_here, train_state
+from test_resume import EXACT, args, rows, run_here, tensors, train_state
 
 pytest.importorskip("torchao")
 
@@ -250,13 +252,20 @@ def test_a_burst_in_fp8_goes_on_in_bf16_and_a_resume_stays_there(corpus_dir, tmp
     assert fp8 != bf16  # --keep_precision trains in fp8 again
 
 
-def test_resume_across_a_precision_change_lists_it(corpus_dir, tmp_path, capsys):
+def test_resume_across_a_precision_change_lists_it_and_exports_the_master_weights(corpus_dir, tmp_path, capsys):
     out = tmp_path / "run"
     run_here(args(corpus_dir, out, "--steps=2", "--ckpt_every=2", "--expert_hidden=32", *GUARD), capsys)
     stdout = run_here(args(corpus_dir, out, "--steps=3", "--expert_hidden=32", "--precision=mxfp8", *GUARD), capsys)
     assert "precision: 'bf16' -> 'mxfp8'" in stdout
     assert [r["step"] for r in rows(out)] == [1, 2, 3]
     assert json.loads((out / "config.json").read_text())["train"]["precision"] == "mxfp8"
+    # Its checkpoint holds the fp32 master weights under their own names: the export is a bf16 run's.
+    ckpt = out / "checkpoints" / "step_00000003"
+    checkpoint.export_hf(str(ckpt), str(tmp_path / "hf"), dtype="float32")
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float32
+    assert torch.equal(exported["model.layers.1.self_attn.q_proj.weight"],
+                       tensors(str(ckpt))["model.layers.1.attn.q_proj.weight"])
 
 
 if __name__ == "__main__":
