@@ -498,8 +498,9 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
                 raise ValueError(f"--precision={'fp8' if self.align == 16 else 'mxfp8'} needs the tokens of a "
                                  f"micro-batch (micro_batch x seq_len) to be a multiple of {self.align}, but there "
                                  f"are {tokens}; change --seq_len or --micro_batch.")
-            if torch.is_autocast_enabled(x.device.type):  # what autocast would have done to F.linear's input
-                x = x.to(torch.get_autocast_dtype(x.device.type))
+            if torch.is_autocast_enabled(x.device.type):  # what autocast would have done to F.linear's operands
+                dtype = torch.get_autocast_dtype(x.device.type)
+                x, w = x.to(dtype), w.to(dtype)
             return self.linear(x, w)
         if self.experts and func is torch._grouped_mm and args[0].dim() == 2 and args[1].dim() == 3:
             return self.grouped(args[0], args[1], offs=kwargs["offs"])

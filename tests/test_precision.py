@@ -134,6 +134,14 @@ def test_each_converted_matmul_agrees_with_high_precision(precision):
         parallel.set_precision(model, "bf16", CPU)
         assert torch.equal(module(x, *inputs), plain), name
         parallel.set_precision(model, precision, CPU)
+    # Under bf16 autocast (--dtype=bf16) a converted linear gets the operands autocast would give F.linear.
+    q_proj = converted["layers.0.attn.q_proj"]
+    x = torch.randn(2, 32, CFG.dim, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = q_proj(x)
+        parallel.set_precision(model, "bf16", CPU)
+        high = q_proj(x)
+    assert sqnr_db(high, low) > SQNR_FLOOR_DB["linear"], sqnr_db(high, low)
 
 
 DENSE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.gate_proj", "attn.o_proj", "ffn.gate_proj", "ffn.up_proj",
