@@ -452,8 +452,8 @@ def apply_compile(model: Transformer, backend: str = "inductor"):
 # --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place (a rollback's bf16)
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
-# Each converted matmul's operands along their reduction dims: fp8's scaled GEMMs need multiples of 16, MXFP8 scales
-# blocks of 32 values.
+# What each converted matmul's reduction dims (widths; tokens for the weight gradient) must be a multiple of: fp8's
+# scaled GEMMs need 16, MXFP8 scales blocks of 32 values.
 ALIGN = {"fp8": 16, "mxfp8": 32}
 
 
@@ -509,8 +509,8 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
 
 def low_precision_modules(model: Transformer, precision: str) -> list[tuple[str, nn.Module]]:
     """The modules --precision converts: each block's attention and FFN linears (the shared expert's too) and, in
-    MXFP8, the routed experts. The router stays fp32 (its scores choose the experts), the embedding and head bf16
-    (the head's logits are the loss): the usual exclusions of FP8 training."""
+    MXFP8, the routed experts. The router stays fp32 (its scores choose the experts), the embedding and head in the
+    compute dtype (the head's logits are the loss): the usual exclusions of FP8 training."""
     return [(name, m) for name, m in model.named_modules() if name.startswith("layers.") and (
         (isinstance(m, nn.Linear) and not name.endswith(".router"))
         or (isinstance(m, GroupedExperts) and precision == "mxfp8"))]
