@@ -301,7 +301,9 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     say(f"bench: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
         f"{n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), {flops_per_token / 1e6:.1f} MFLOP/token; "
         f"seq {tc.seq_len}, global batch {tc.global_batch}, micro-batch {tc.micro_batch}, ac={tc.ac}, "
-        f"compile={tc.compile}, {run.dtype or torch.float32} on {world} x {device.type}")
+        f"compile={tc.compile}, {run.dtype or torch.float32} on {world} x {device.type}"
+        + (f", blocks' matmuls in {tc.precision} (torchao{', emulated' if device.type == 'cpu' else ''}; MFU "
+           f"against the bf16 peak)" if tc.precision != "bf16" else ""))
     say(run.layout.describe(cfg.n_experts))
 
     def step() -> dict:

@@ -13,8 +13,10 @@ R tokens received from the EP peers; for Muon, X matrices in a batch, each O x F
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import gc
+import importlib.util
 import math
 import os
 import signal
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -454,6 +457,118 @@ def apply_compile(model: Transformer, backend: str = "inductor"):
         block.compile(backend=backend)
 
 
+# --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place (a rollback's bf16)
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+# What each converted matmul's reduction dims (widths; tokens for the weight gradient) must be a multiple of: fp8's
+# scaled GEMMs need 16, MXFP8 scales blocks of 32 values.
+ALIGN = {"fp8": 16, "mxfp8": 32}
+
+
+class LowPrecision(torch.overrides.TorchFunctionMode):
+    """Active inside a converted module's forward: a linear's F.linear, or the routed experts' grouped GEMM over token
+    groups (MXFP8), runs as torchao's FP8 (rowwise scales) or MXFP8 matmul, forward and backward; the fp32 master
+    weights are cast per call and nothing else changes. On CPU torchao emulates them (quantise, dequantise, matmul
+    in high precision). The experts' per-expert loop (no grouped GEMM) stays in high precision."""
+
+    def __init__(self, precision: str, device: torch.device, experts: bool):
+        super().__init__()
+        self.align = ALIGN[precision]
+        self.experts = experts
+        emulate = device.type != "cuda"
+        if precision == "fp8":
+            from torchao.float8 import Float8LinearConfig
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+            from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+            c = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+            mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in (
+                c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+            self.linear = lambda x, w: matmul_with_hp_or_float8_args.apply(x, w.t(), mm, c)
+        else:
+            from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+            from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.quantization.quantize_.common import KernelPreference
+            kernels = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
+            self.linear = lambda x, w: _to_mxfp8_then_scaled_mm(x, w, kernels, ScaleCalculationMode.RCEIL)
+            # Each expert's token group padded to a multiple of 32: the weight gradient's scaling blocks run along
+            # tokens, and a block must not span two experts (nor can a rank's token count be left to chance). bf16
+            # out, as on a GPU (the emulation's dequantised operands are bf16 on CPU too).
+            self.grouped = functools.partial(_to_mxfp8_then_scaled_grouped_mm, kernel_preference=kernels,
+                                             out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=True)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.experts and func is F.linear and (args[2:] or [kwargs.get("bias")])[0] is None:
+            x, w = args[:2]
+            tokens = x.numel() // x.shape[-1]
+            if torch.is_grad_enabled() and tokens % self.align:  # the weight gradient reduces over the tokens
+                raise ValueError(f"--precision={'fp8' if self.align == 16 else 'mxfp8'} needs the tokens of a "
+                                 f"micro-batch (micro_batch x seq_len) to be a multiple of {self.align}, but there "
+                                 f"are {tokens}; change --seq_len or --micro_batch.")
+            if torch.is_autocast_enabled(x.device.type):  # what autocast would have done to F.linear's operands
+                dtype = torch.get_autocast_dtype(x.device.type)
+                x, w = x.to(dtype), w.to(dtype)
+            return self.linear(x, w)
+        if self.experts and func is torch._grouped_mm and args[0].dim() == 2 and args[1].dim() == 3:
+            return self.grouped(args[0], args[1], offs=kwargs["offs"])
+        return func(*args, **kwargs)
+
+
+def low_precision_modules(model: Transformer, precision: str) -> list[tuple[str, nn.Module]]:
+    """The modules --precision converts: each block's attention and FFN linears (the shared expert's too) and, in
+    MXFP8, the routed experts. The router stays fp32 (its scores choose the experts), the embedding and head in the
+    compute dtype (the head's logits are the loss): the usual exclusions of FP8 training."""
+    return [(name, m) for name, m in model.named_modules() if name.startswith("layers.") and (
+        (isinstance(m, nn.Linear) and not name.endswith(".router"))
+        or (isinstance(m, GroupedExperts) and precision == "mxfp8"))]
+
+
+def check_precision(precision: str, cfg: ModelConfig, device: torch.device):
+    """Raise ValueError (one sentence) if --precision cannot run here: torchao missing, a GPU without the format, or
+    a converted matmul's dimension that is not a multiple of its scaling block."""
+    if precision == "bf16":
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"--precision={precision} needs torchao: pip install torchao==0.18.0 (requirements.txt).")
+    need = {"fp8": ((8, 9), "8.9 (Ada, Hopper: H100, H200)"), "mxfp8": ((10, 0), "10.0 (Blackwell: B200, B300)")}
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < need[precision][0]:
+        has = torch.cuda.get_device_capability(device)
+        raise ValueError(f"--precision={precision} needs a GPU of compute capability {need[precision][1]} or more, "
+                         f"but this {torch.cuda.get_device_name(device)} has {has[0]}.{has[1]}; use --precision=bf16"
+                         + (" or fp8." if has >= need["fp8"][0] else "."))
+    align = ALIGN[precision]
+    dims = {"dim": cfg.dim, "n_heads x head_dim": cfg.n_heads * cfg.head_dim, "n_kv_heads x head_dim":
+            cfg.n_kv_heads * cfg.head_dim, "dense_hidden": cfg.dense_hidden if cfg.n_dense_layers else align,
+            "expert_hidden x n_shared_experts": cfg.expert_hidden * cfg.n_shared_experts or align,
+            "expert_hidden": cfg.expert_hidden if precision == "mxfp8" else align}
+    bad = [f"{name} = {value}" for name, value in dims.items() if value % align]
+    if bad:
+        raise ValueError(f"--precision={precision} scales blocks of {align} values, but {', '.join(bad)} is not a "
+                         f"multiple of {align}; choose model sizes that are, or --precision=bf16.")
+
+
+def set_precision(model: Transformer, precision: str, device: torch.device):
+    """Run the converted modules' matmuls in `precision` from the next forward on ("bf16": as built, in the compute
+    dtype). Only their forward changes (an instance attribute, as apply_ac's): weights, names, FSDP and optimizer
+    state stay as they are, so a rollback can return a run to bf16 in place."""
+    if getattr(model, "precision", None) == precision:  # unchanged: a compiled block keeps its graphs
+        return
+    for _, module in low_precision_modules(model, "mxfp8"):
+        module.__dict__.pop("forward", None)
+    if precision != "bf16":
+        modes = {experts: LowPrecision(precision, device, experts) for experts in (False, True)}
+        for _, module in low_precision_modules(model, precision):
+            mode = modes[isinstance(module, GroupedExperts)]
+            module.forward = functools.partial(_in_mode, mode, type(module).forward.__get__(module))
+    model.precision = precision
+
+
+def _in_mode(mode: LowPrecision, forward, *args, **kwargs):
+    with mode:
+        return forward(*args, **kwargs)
+
+
 def _draw_whole_keep_shard(tensor: torch.Tensor, init):
     """DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded tensor
     is drawn whole and this rank keeps its shard: the weights one process draws from the same seed."""
@@ -465,13 +580,15 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
 
 def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
                 ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
-                seed: int = 0, state_copies: int = 1) -> Transformer:
-    """Build on meta, then EP, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed, compiled blocks;
-    mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of them cannot fit,
-    and initialise them from `seed`, the same weights whatever the layout."""
+                seed: int = 0, state_copies: int = 1, precision: str = "bf16") -> Transformer:
+    """Build on meta, then EP, low precision, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed,
+    compiled blocks; mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of
+    them cannot fit, and initialise them from `seed`, the same weights whatever the layout."""
+    check_precision(precision, model_cfg, device)
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
+    set_precision(model, precision, device)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)

@@ -113,6 +113,8 @@ class TrainConfig:
                                         "(one all-gather per step, not two per micro-batch; the whole model's memory)")
     compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
+    precision: str = option("bf16", "fp8, mxfp8: block matmuls via torchao (README)", one_of(*parallel.PRECISIONS))
+    keep_precision: bool = option(False, "keep --precision after a rollback (default: the run goes on in bf16)")
     # logging and evaluation
     out_dir: str = option("out", "where metrics.jsonl, status.json, config.json and checkpoints go")
     log_every: int = option(10, "print a line every N steps (metrics.jsonl gets every step)", POSITIVE)
@@ -413,9 +415,9 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
 
 # Settings that change what a run trains, compared on resume with the checkpoint's; the data order's are fixed.
 COMPARED = ["data", "seed", "seq_len", "global_batch", "micro_batch", "doc_mask", "dtype", "optimizer", "lr", "muon_lr",
-            "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac",
-            "min_lr_ratio", "balance", "bias_step", "bias_freeze_step", "spike_threshold",
-            "spike_window", "spike_rollback", "max_rollbacks"]
+            "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "decay", "wsd_decay_frac", "min_lr_ratio",
+            "balance", "bias_step", "bias_freeze_step", "spike_threshold", "spike_window", "spike_rollback",
+            "max_rollbacks", "precision", "keep_precision"]
 FIXED = ("seed", "seq_len", "global_batch")
 FREE_MODEL_FIELDS = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef")  # neither shapes nor the function
 
@@ -481,7 +483,8 @@ def build(run: Run, copies: int | None = None):
     """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or state_copies)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
-                                 param_dtype=run.dtype, seed=run.tc.seed, state_copies=copies or state_copies(run.tc))
+                                 param_dtype=run.dtype, seed=run.tc.seed, state_copies=copies or state_copies(run.tc),
+                                 precision=run.tc.precision)
     return model, parallel.build_optimizer(model, run.tc)
 
 
@@ -514,6 +517,7 @@ def restore(source: str, run: Run, model, optimizer, state: TrainState, bad_step
     state.step = saved["step"]
     state.run_id = saved["run_id"]
     bad_steps.load_state_dict(saved, fresh_statistics=bool(run.tc.allow_changed))
+    parallel.set_precision(model, bad_steps.precision(), run.device)  # bf16 once a burst left low precision
     return {**saved, "path": source}
 
 

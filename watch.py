@@ -341,16 +341,27 @@ class BadSteps:
         self.rollbacks = 0
         self.just_loaded = False  # the next step is the first after a checkpoint was loaded
         self.back_to = None  # after a burst or damage: (the newest step to load, why, event name, its data)
+        self.bf16_since = None  # a burst in --precision fp8 or mxfp8: its first step; the run goes on in bf16
 
     def state_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.KEPT}
+        return {name: getattr(self, name) for name in self.KEPT} | {"bf16_since": self.bf16_since}
 
     def load_state_dict(self, saved: dict, fresh_statistics: bool = False):
         for name in self.KEPT:
             setattr(self, name, saved[name])
+        if self.bf16_since is None and saved.get("bf16_since") is not None:  # once in bf16, a run stays there
+            self.bf16_since = saved["bf16_since"]
+            if self.precision() == "bf16" and self.tc.precision != "bf16":
+                say(f"training in bf16, not --precision={self.tc.precision}: a burst of bad steps from step "
+                    f"{self.bf16_since + 1} left it (--keep_precision trains in {self.tc.precision} again)")
         if fresh_statistics:  # other data or another tokenizer: the recorded losses say nothing of the new ones
             self.recent = []
         self.just_loaded = True
+
+    def precision(self) -> str:
+        """The matmuls' precision: --precision, or bf16 after a burst of bad steps in low precision (parallel.py's
+        set_precision applies it), unless --keep_precision."""
+        return "bf16" if self.bf16_since is not None and not self.tc.keep_precision else self.tc.precision
 
     def data_step(self, step: int) -> int:
         """The loader step that step `step` reads: the (step + 1)-th outside the skipped windows."""
@@ -400,6 +411,10 @@ class BadSteps:
                               f"{first_data} to {data_step}, then resume")
             self.skip_data(first_data, data_step + 1)
             self.back_to = (first_step, burst, "rollback", (first_data, data_step))
+            if tc.precision != "bf16" and not tc.keep_precision and self.bf16_since is None:
+                self.bf16_since = first_step  # the same data in the same low precision would likely spike again
+                self.events.event("precision", step + 1, f"{burst} in --precision={tc.precision}: the run goes back "
+                                  f"in bf16 and stays there (--keep_precision keeps {tc.precision})")
         return False
 
     def rolled_back(self, loaded_step: int, kept: dict, path: str):
