@@ -290,7 +290,10 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     model, optimizer = train.build(run)
     momentum_LE = torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device)
     steps = [0]
-    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
+    rows, chunk = run.layout.data_rank(rank)  # with --cp, a group's ranks take chunks of the same rows
+    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rows, run.layout.dp, tc.seed)
+    columns = slice(chunk * tc.seq_len // tc.cp, (chunk + 1) * tc.seq_len // tc.cp)
+    batch = tuple(t[:, columns] for t in batch)
     twin = meta_model(cfg)
     n = twin.num_params()
     flops_per_token = twin.flops_per_token(tc.seq_len)

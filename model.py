@@ -610,7 +610,7 @@ class MoE(nn.Module):
         if n > 1:
             counts_BE = self.seq_parallel.sum(counts_BE)
         f_BE = counts_BE * (E / (K * T * n))
-        p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).sum(1) / (T * n)
+        p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1) / n
         return self.cfg.aux_loss_coef * n * (f_BE * p_BE).sum(-1).mean()
 
 

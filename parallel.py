@@ -232,18 +232,19 @@ class Layout:
         launched / dp_replicate / cp). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the
         rest stand by."""
         group = dp_shard * cp
+        x_cp = f" x --cp={cp}" if cp > 1 else ""
         if dp_replicate == 0:
             if dp_shard == 0:
                 raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
                                  "pass --dp_shard, the FSDP group size to keep.")
             if launched < group:
-                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard} x "
-                                 f"--cp={cp}; launch at least {group} ranks or lower --dp_shard.")
+                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard}"
+                                 f"{x_cp}; launch at least {group} ranks or lower --dp_shard.")
             return cls(launched // group * group, launched // group, ep, cp)
         if dp_shard and dp_replicate * group != launched:
-            raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard} x --cp={cp} is "
-                             f"{dp_replicate * group} ranks but {launched} were launched; launch that many, or pass "
-                             f"--dp_replicate=auto to follow the world.")
+            raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard}{x_cp} is {dp_replicate * group} "
+                             f"ranks but {launched} were launched; launch that many, or pass --dp_replicate=auto to "
+                             f"follow the world.")
         return cls(launched, dp_replicate, ep, cp)
 
     @property

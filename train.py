@@ -100,10 +100,10 @@ class TrainConfig:
                                   "as many replicas of --dp_shard ranks as the world holds, the rest standing by "
                                   "(elastic jobs)", at_least(0, "auto (0) or at least 1"),
                                parse=lambda text: 0 if text == "auto" else int(text))
-    dp_shard: int = option(0, "FSDP group size S (0: world / dp_replicate; fixed while an elastic world changes)",
-                           NON_NEGATIVE)
+    dp_shard: int = option(0, "FSDP group size S, x cp (0: world / dp_replicate / cp; fixed while an elastic world "
+                              "changes)", NON_NEGATIVE)
     ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
-    cp: int = option(1, "context parallelism: each sequence split over cp ranks (divides n_kv_heads)",
+    cp: int = option(1, "context parallelism: each sequence split over cp ranks (world = R x S x cp)",
                      Rule(lambda v, c: v >= 1 and c.seq_len % v == 0, "a divisor of seq_len={seq_len}"))
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
     keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward "
