@@ -294,7 +294,10 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     model, optimizer = train.build(run)
     momentum_LE = torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device)
     steps = [0]
-    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rank, world, tc.seed)
+    rows, chunk = run.layout.data_rank(rank)  # with --cp, a group's ranks take chunks of the same rows
+    batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rows, run.layout.dp, tc.seed)
+    columns = slice(chunk * tc.seq_len // tc.cp, (chunk + 1) * tc.seq_len // tc.cp)
+    batch = tuple(t[:, columns] for t in batch)
     twin = meta_model(cfg)
     n = twin.num_params()
     flops_per_token = twin.flops_per_token(tc.seq_len)
@@ -683,7 +686,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     tc = run.tc
     cfg = run.cfg
     torch.manual_seed(tc.seed)
-    ours, opt_ours = train.build(run, copies=2 * train.state_copies(tc))  # and transformers' model as much again
+    ours, opt_ours = train.build(run, copies=2 * train.STATE_COPIES[tc.optimizer])  # and transformers' as much again
     hf = transformers.AfmoeForCausalLM(transformers.AfmoeConfig(**cfg.to_hf(), use_cache=False)).to(device).train()
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict()), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).

@@ -1020,9 +1020,12 @@ class DataLoader:
 
     def __init__(self, data_spec: str, split: str = "train", seq_len: int = 1024, global_batch: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, vocab_size: int | None = None,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, cp: tuple[int, int] = (0, 1)):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
         self.seq_len = seq_len
+        # Context parallelism: this rank holds chunk cp[0] of cp[1] contiguous ones of each row (seq_len divisible).
+        chunk, chunks = cp
+        self.columns = slice(chunk * seq_len // chunks, (chunk + 1) * seq_len // chunks)
         self.global_batch = global_batch
         B = global_batch // world_size  # global_batch is a multiple of world_size (parallel.Layout.check)
         self.rows_B = rank * B + np.arange(B)  # this rank's rows of every global batch
@@ -1075,7 +1078,8 @@ class DataLoader:
         return np.searchsorted(np.cumsum(self.counts(step)), self.rows_B, side="right")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size."""
+        """This rank's (tokens_BT, targets_BT, doc_ids_BT) of global step `step`, B = global_batch // world_size; with
+        context parallelism its chunk of each row, document ids numbered over the whole row."""
         T = self.seq_len
         counts_S = self.counts(step)
         source_B = self.sources_of(step)
@@ -1085,8 +1089,10 @@ class DataLoader:
         doc_ids_BT = np.empty((len(source_B), T), np.int64)
         for s in np.unique(source_B):
             rows_BT1[source_B == s], doc_ids_BT[source_B == s] = self.sources[s].read(sample_B[source_B == s])
-        return (torch.from_numpy(rows_BT1[:, :-1].copy()), torch.from_numpy(rows_BT1[:, 1:].copy()),
-                torch.from_numpy(doc_ids_BT))
+        tokens_BT = rows_BT1[:, :-1][:, self.columns]
+        targets_BT = rows_BT1[:, 1:][:, self.columns]
+        return (torch.from_numpy(tokens_BT.copy()), torch.from_numpy(targets_BT.copy()),
+                torch.from_numpy(doc_ids_BT[:, self.columns].copy()))
 
     def val_batches(self, n: int | None = None):
         """The first n (default: all whole) batches of the split, in order: the same rows at every evaluation."""

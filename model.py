@@ -398,6 +398,7 @@ def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
 
 class Attention(nn.Module):
     """GQA, per-head q/k RMSNorm, RoPE on local layers only (global: NoPE): o = o_proj(attn * sigmoid(gate_proj(x)))."""
+    seq_parallel = None  # parallel.ContextParallel: this rank's 1/size of each sequence, whole ones inside attention
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -419,7 +420,8 @@ class Attention(nn.Module):
         if not self.is_global:
             q_BHTDh = apply_rope(q_BHTDh, cos_TDh, sin_TDh)
             k_BGTDh = apply_rope(k_BGTDh, cos_TDh, sin_TDh)
-        o_BHTDh = (attend if cache is None else cache.attend)(q_BHTDh, k_BGTDh, v_BGTDh, mask)
+        kernel = cache.attend if cache is not None else self.seq_parallel.attend if self.seq_parallel else attend
+        o_BHTDh = kernel(q_BHTDh, k_BGTDh, v_BGTDh, mask)
         o_BTHDh = o_BHTDh.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o_BTHDh * torch.sigmoid(self.gate_proj(x_BTD)))
 
@@ -564,6 +566,7 @@ class MoE(nn.Module):
     """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping. forward returns (y_BTD,
     (counts_E, aux_loss, z_loss)) as plain tensors, which compiled, checkpointed and FSDP blocks pass through;
     activation checkpointing's re-run returns the first forward's outputs, so every token is counted once."""
+    seq_parallel = None  # parallel.ContextParallel: the balance loss's sequences span its ranks
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -610,9 +613,15 @@ class MoE(nn.Module):
         E = self.cfg.n_experts
         K = self.cfg.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
-        f_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E) * (E / (K * T))
-        p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1)
-        return self.cfg.aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
+        counts_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E)
+        # With context parallelism this rank holds T of the n*T tokens of each sequence: f from the whole sequences'
+        # counts, P this rank's share of the sum; n times this loss, averaged over the n ranks, is the whole loss.
+        n = self.seq_parallel.size if self.seq_parallel else 1
+        if n > 1:
+            counts_BE = self.seq_parallel.sum(counts_BE)
+        f_BE = counts_BE * (E / (K * T * n))
+        p_BE = (scores_NE / scores_NE.sum(-1, keepdim=True)).view(B, T, E).mean(1) / n
+        return self.cfg.aux_loss_coef * n * (f_BE * p_BE).sum(-1).mean()
 
 
 def max_vio(counts_E: torch.Tensor) -> float:
@@ -789,6 +798,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    seq_parallel = None  # parallel.ContextParallel: each sequence split over its ranks (S = size x T tokens)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -829,9 +840,15 @@ class Transformer(nn.Module):
         if self.cfg.mup:
             x_BTD = x_BTD * math.sqrt(self.cfg.dim)
         start, flex = (0, None) if cache is None else (cache[0].pos, False)
+        # Context parallelism: tokens_BT is chunk `rank` of each sequence's `size`; attention sees whole sequences.
+        sp = self.seq_parallel if cache is None else None
+        S = T * sp.size if sp else T
+        if sp:
+            start = sp.rank * T
+            doc_ids_BT = sp.gather(doc_ids_BT) if doc_ids_BT is not None else None
         cos_TDh, sin_TDh = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens_BT.device, start)
-        window = self.cfg.window if self.cfg.window < T else None
-        masks = {is_global: make_mask(T, None if is_global else window, doc_ids_BT, tokens_BT.device, flex)
+        window = self.cfg.window if self.cfg.window < S else None
+        masks = {is_global: make_mask(S, None if is_global else window, doc_ids_BT, tokens_BT.device, flex)
                  for is_global in (False, True)}
         routers = []
         for block, layer_cache in zip(self.layers.values(), cache or [None] * len(self.layers)):

@@ -1,8 +1,9 @@
 """
-Parallelism applied in place to the plain model of model.py (HSDP, expert parallelism, activation checkpointing,
-per-block torch.compile), and the optimizer (AdamW, or Muon on sharded matrices). One DeviceMesh [dp_replicate,
-efsdp, ep], ep innermost (an EP group is consecutive ranks): dense parameters FSDP-sharded over dp_shard = efsdp x ep,
-routed experts split E/ep per EP rank and sharded over efsdp, both replicated over dp_replicate.
+Parallelism applied in place to the plain model of model.py (HSDP, expert and context parallelism, activation
+checkpointing, per-block torch.compile), and the optimizer (AdamW, or Muon on sharded matrices). One DeviceMesh
+[dp_replicate, efsdp, cp, ep], ep innermost (an EP group is consecutive ranks): dense parameters FSDP-sharded over
+efsdp x cp x ep, routed experts split E/ep per EP rank and sharded over efsdp x cp, both replicated over
+dp_replicate. The cp ranks of a group hold contiguous chunks of the same rows (attention: all-to-all over cp).
 
     torchrun --standalone --nproc_per_node=8 train.py --dp_replicate=2 --ep=4   # train.py applies it
     python -m pytest tests/test_parallel.py tests/test_muon.py -q              # 8 and 2 CPU ranks vs one process
@@ -44,7 +45,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from model import GroupedExperts, ModelConfig, MoE, Transformer, expert_ffn, meta_model
+from model import Attention, GroupedExperts, ModelConfig, MoE, Transformer, attend, expert_ffn, meta_model
 
 AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("adamw", "muon")
@@ -229,32 +230,47 @@ def divisors(n: int) -> list[int]:
 
 @dataclass
 class Layout:
-    """`world` ranks as dp_replicate replicas of an FSDP group of dp_shard ranks: efsdp EP groups of ep ranks each."""
+    """`world` ranks as dp_replicate replicas of an FSDP group of dp_shard x cp ranks: dp_shard ranks read different
+    rows of the batch, each as cp ranks holding a contiguous 1/cp of each row's tokens; EP groups of ep ranks."""
     world: int
     dp_replicate: int = 1
     ep: int = 1
+    cp: int = 1
 
     @classmethod
-    def for_world(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int) -> "Layout":
-        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard ranks (0: launched /
-        dp_replicate). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the rest stand by."""
+    def for_world(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int, cp: int = 1) -> "Layout":
+        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard x cp ranks (dp_shard 0:
+        launched / dp_replicate / cp). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the
+        rest stand by."""
+        group = dp_shard * cp
+        x_cp = f" x --cp={cp}" if cp > 1 else ""
         if dp_replicate == 0:
             if dp_shard == 0:
                 raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
                                  "pass --dp_shard, the FSDP group size to keep.")
-            if launched < dp_shard:
-                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard}; "
-                                 f"launch at least {dp_shard} ranks or lower --dp_shard.")
-            return cls(launched // dp_shard * dp_shard, launched // dp_shard, ep)
-        if dp_shard and dp_replicate * dp_shard != launched:
-            raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard} is {dp_replicate * dp_shard} "
+            if launched < group:
+                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard}"
+                                 f"{x_cp}; launch at least {group} ranks or lower --dp_shard.")
+            return cls(launched // group * group, launched // group, ep, cp)
+        if dp_shard and dp_replicate * group != launched:
+            raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard}{x_cp} is {dp_replicate * group} "
                              f"ranks but {launched} were launched; launch that many, or pass --dp_replicate=auto to "
                              f"follow the world.")
-        return cls(launched, dp_replicate, ep)
+        return cls(launched, dp_replicate, ep, cp)
 
     @property
     def dp_shard(self) -> int:
-        return self.world // self.dp_replicate
+        return self.world // self.dp_replicate // self.cp
+
+    @property
+    def dp(self) -> int:
+        """Ranks reading different rows of the global batch (the cp ranks of a group read the same rows)."""
+        return self.world // self.cp
+
+    def data_rank(self, rank: int) -> tuple[int, int]:
+        """(which of the dp row blocks rank `rank` reads, which of the cp chunks of each row it holds): build_mesh's
+        order [dp_replicate, efsdp, cp, ep], cp dropped."""
+        return rank // (self.cp * self.ep) * self.ep + rank % self.ep, rank // self.ep % self.cp
 
     @property
     def efsdp(self) -> int:
@@ -266,6 +282,7 @@ class Layout:
         W = self.world  # these sizes are each >= 1 (TrainConfig's rules)
         R = self.dp_replicate
         ep = self.ep
+        cp = self.cp
         E = model_cfg.n_experts
         launched = rank_world()[1]
         if dist.is_available() and dist.is_initialized() and launched != W:
@@ -274,23 +291,33 @@ class Layout:
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
                              f"{divisors(W)}.")
-        S = W // R
+        if W % (R * cp):
+            raise ValueError(f"world size {W} is not divisible by dp_replicate={R} x cp={cp}; choose cp from "
+                             f"{divisors(W // R)}.")
+        if model_cfg.n_kv_heads % cp:
+            raise ValueError(f"cp={cp} does not divide n_kv_heads={model_cfg.n_kv_heads}: attention gives each cp "
+                             f"rank whole sequences for 1/cp of the heads; choose cp from "
+                             f"{divisors(model_cfg.n_kv_heads)}.")
+        S = W // R // cp
         if S % ep:
-            raise ValueError(f"ep={ep} does not divide dp_shard={S} (world {W} / dp_replicate {R}), so an expert-"
-                             f"parallel group would straddle two FSDP groups; choose ep from {divisors(S)}.")
+            raise ValueError(f"ep={ep} does not divide dp_shard={S} (world {W} / dp_replicate {R}"
+                             + (f" / cp {cp}" if cp > 1 else "") + "), so an expert-parallel group would straddle two "
+                             f"FSDP groups; choose ep from {divisors(S)}.")
         if E % ep:
             raise ValueError(f"n_experts={E} is not divisible by ep={ep}; choose ep from "
                              f"{[d for d in divisors(S) if E % d == 0]} (divisors of both dp_shard={S} and {E}).")
         if ep > 1 and model_cfg.n_dense_layers >= model_cfg.n_layers:
             raise ValueError(f"ep={ep} but the model has no MoE layer (n_dense_layers={model_cfg.n_dense_layers} of "
                              f"n_layers={model_cfg.n_layers}); use ep=1.")
-        if global_batch % (W * micro_batch):
-            raise ValueError(f"global_batch={global_batch} sequences is not divisible by world {W} x micro_batch "
-                             f"{micro_batch} = {W * micro_batch}; make global_batch a multiple of {W * micro_batch} "
-                             f"or use a micro_batch that divides global_batch / world.")
+        D = self.dp
+        if global_batch % (D * micro_batch):
+            rows = f"world {W}" if cp == 1 else f"world {W} / cp {cp}"
+            raise ValueError(f"global_batch={global_batch} sequences is not divisible by {rows} x micro_batch "
+                             f"{micro_batch} = {D * micro_batch}; make global_batch a multiple of {D * micro_batch} "
+                             f"or use a micro_batch that divides global_batch / {D}.")
 
     def accumulation_steps(self, global_batch: int, micro_batch: int) -> int:
-        return global_batch // (self.world * micro_batch)
+        return global_batch // (self.dp * micro_batch)
 
     def describe(self, n_experts: int | None = None) -> str:
         """Which ranks form each FSDP group, replica and EP group, and where the experts live."""
@@ -299,6 +326,7 @@ class Layout:
         S = self.dp_shard
         F = self.efsdp
         ep = self.ep
+        cp = self.cp
         if W == 1:
             return "1 process: no data or expert parallelism."
 
@@ -306,38 +334,44 @@ class Layout:
             if len(g) > 1 and g == list(range(g[0], g[-1] + 1)):
                 return f"{g[0]}-{g[-1]}"
             return f"{g[0]},{g[1]},...,{g[-1]}" if len(g) > 4 else ",".join(map(str, g))
-        ranks = torch.arange(W).view(R, F, ep)  # row-major, as init_device_mesh lays ranks out
-        lines = [f"mesh [dp_replicate={R}, efsdp={F}, ep={ep}] over {W} ranks"]
-        for wanted, name, grid in ((True, f"FSDP groups (dense params, dp_shard={S})", ranks.reshape(R, -1)),
-                                   (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 0)),
-                                   (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
-                                   (F > 1, f"expert FSDP groups (efsdp={F})", ranks.transpose(1, 2))):
+        ranks = torch.arange(W).view(R, F, cp, ep)  # row-major, as init_device_mesh lays ranks out
+        x_cp = f" x cp={cp}" if cp > 1 else ""
+        lines = [f"mesh [dp_replicate={R}, efsdp={F}, {f'cp={cp}, ' if cp > 1 else ''}ep={ep}] over {W} ranks"]
+        for wanted, name, grid in (
+                (True, f"FSDP groups (dense params, dp_shard={S}{x_cp})", ranks.reshape(R, -1)),
+                (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 3, 0)),
+                (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
+                (cp > 1, f"CP groups (cp={cp}, the chunks of a row)", ranks.transpose(2, 3)),
+                (F * cp > 1, f"expert FSDP groups (efsdp={F}{x_cp})", ranks.permute(0, 3, 1, 2).reshape(R, ep, -1))):
             groups = grid.reshape(-1, grid.shape[-1]).tolist()
             if wanted:
                 lines.append(f"  {name}: " + " ".join(f"[{shown(g)}]" for g in groups[:3])
                              + (f" ... ({len(groups)} groups)" if len(groups) > 3 else ""))
         if n_experts is not None:
-            per_gpu = n_experts / ep / F
+            per_gpu = n_experts / ep / F / cp
             lines.append(f"  routed experts: {n_experts}/{ep} = {n_experts // ep} per EP rank, {per_gpu:g} per GPU"
                          + ("" if per_gpu.is_integer() else " (uneven FSDP shards)"))
         return "\n".join(lines)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
-    """The mesh [dp_replicate, efsdp, ep] plus the flattened dim dp_shard = (efsdp, ep); None in one process."""
+    """The mesh [dp_replicate, efsdp, cp, ep] plus the flattened dims "dp_shard" = (efsdp, cp, ep), FSDP's group for
+    dense parameters (Layout.dp_shard x cp ranks), and efsdp_cp = (efsdp, cp), the routed experts'; None in one
+    process."""
     if layout.world == 1:
         return None
     if not dist.is_initialized():
         raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun "
                            f"--nproc_per_node={layout.world} (or across nodes) and call init_distributed() first.")
-    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.ep),
-                            mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-    mesh["efsdp", "ep"]._flatten("dp_shard")
+    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.cp, layout.ep),
+                            mesh_dim_names=("dp_replicate", "efsdp", "cp", "ep"))
+    mesh["efsdp", "cp", "ep"]._flatten("dp_shard")
+    mesh["efsdp", "cp"]._flatten("efsdp_cp")
     return mesh
 
 
 def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """mesh[names] with the flattened "dp_shard" among them (torch 2.13 warns this will go away; 2.11-2.13 do it)."""
+    """mesh[names] with flattened dims among them (torch 2.13 warns this will go away; 2.11-2.13 do it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[names]
@@ -389,11 +423,61 @@ def apply_ep(model: Transformer, mesh: DeviceMesh):
         moe.experts = ExpertParallelExperts(moe.experts, mesh["ep"])
 
 
+class ContextParallel:
+    """Context parallelism by all-to-all (Ulysses): each of the `size` ranks of a cp group holds a contiguous 1/size of
+    each sequence's tokens, except inside attention, where it holds whole sequences for 1/size of the heads (q and kv
+    heads split alike, so grouped-query pairs stay together): any kernel and mask (windows, documents) work unchanged.
+    The model calls it where it needs the whole sequence (Transformer.seq_parallel and its blocks')."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        self.mesh = cp_mesh
+        self.size = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+
+    def gather(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """The whole sequences' values [B, size * T] of a per-token tensor without gradient (document ids)."""
+        chunks = [torch.empty_like(x_BT) for _ in range(self.size)]
+        dist.all_gather(chunks, x_BT.contiguous(), group=self.mesh.get_group())
+        return torch.cat(chunks, 1)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the cp group, without gradient (per-sequence expert counts); compiled blocks trace it."""
+        return funcol.all_reduce(x, "sum", self.mesh)
+
+    def _to_heads(self, x_BHTDh: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, Dh], this rank's tokens of every head -> [B, H/size, size*T, Dh], all tokens of its heads."""
+        B, H, T, Dh = x_BHTDh.shape
+        send_PBhTDh = x_BHTDh.reshape(B, self.size, H // self.size, T, Dh).transpose(0, 1).contiguous()
+        recv_PBhTDh = funcol.all_to_all_single_autograd(send_PBhTDh, None, None, self.mesh)
+        return recv_PBhTDh.permute(1, 2, 0, 3, 4).reshape(B, H // self.size, self.size * T, Dh)
+
+    def _to_tokens(self, o_BhSDh: torch.Tensor) -> torch.Tensor:
+        """The reverse of _to_heads: [B, H/size, size*T, Dh] -> [B, H, T, Dh]."""
+        B, h, S, Dh = o_BhSDh.shape
+        send_PBhTDh = o_BhSDh.view(B, h, self.size, S // self.size, Dh).permute(2, 0, 1, 3, 4).contiguous()
+        recv_PBhTDh = funcol.all_to_all_single_autograd(send_PBhTDh, None, None, self.mesh)
+        return recv_PBhTDh.transpose(0, 1).reshape(B, h * self.size, S // self.size, Dh)
+
+    def attend(self, q_BHTDh, k_BGTDh, v_BGTDh, mask):
+        """model.attend over whole sequences (mask: theirs, from Transformer.forward), for this rank's tokens."""
+        o_BhSDh = attend(self._to_heads(q_BHTDh), self._to_heads(k_BGTDh), self._to_heads(v_BGTDh), mask)
+        return self._to_tokens(o_BhSDh)
+
+
+def apply_cp(model: Transformer, mesh: DeviceMesh):
+    """Split every sequence over the "cp" mesh dim: the model, its attention layers and MoE balance losses."""
+    context = ContextParallel(mesh["cp"])
+    for module in model.modules():
+        if isinstance(module, (Transformer, Attention, MoE)):
+            module.seq_parallel = context
+
+
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None):
-    """fully_shard each block and the root over (dp_replicate, dp_shard), routed experts over (dp_replicate, efsdp)."""
+    """fully_shard each block and the root over (dp_replicate, dp_shard x cp), routed experts over (dp_replicate,
+    efsdp x cp): a cp rank holds other tokens of the same rows, so its gradients are summed as another rank's rows'."""
     replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
     dense_mesh = _submesh(mesh, *replicas, "dp_shard")
-    expert_mesh = mesh[(*replicas, "efsdp")]
+    expert_mesh = _submesh(mesh, *replicas, "efsdp_cp")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
@@ -401,7 +485,7 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
             # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens of
             # all ep peers (the all-to-all backward): dividing by the world gives the global-batch mean, as dense.
             experts.set_gradient_divide_factor(float(mesh.size()))
-            if mesh.device_type == "cpu" and mesh["efsdp"].size() > 1:
+            if mesh.device_type == "cpu" and mesh["efsdp"].size() * mesh["cp"].size() > 1:
                 # A custom factor reduce-scatters with PREMUL_SUM, which gloo lacks: sum, then divide. (Not with a
                 # single-rank efsdp: there torch 2.13 divides once in the copy and again after the sum.)
                 experts.set_force_sum_reduction_for_comms(True)
@@ -419,11 +503,13 @@ def _ops(*names: str) -> set:
     return found
 
 
-# Selective AC keeps matmul outputs (attention kernels too) and the EP all-to-all's, so recompute issues no collective.
+# Selective AC keeps matmul outputs (attention kernels too), the EP and CP all-to-alls' and the CP balance loss's
+# all-reduce, so recompute issues no collective.
 _SAC_SAVE = _ops(*(f"aten.{op}.default" for op in (
     "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention")),
-    "_c10d_functional.all_to_all_single.default", "_c10d_functional_autograd.all_to_all_single.default")
+    "_c10d_functional.all_to_all_single.default", "_c10d_functional_autograd.all_to_all_single.default",
+    "_c10d_functional.all_reduce.default")
 if hasattr(torch._higher_order_ops, "flex_attention"):
     _SAC_SAVE.add(torch._higher_order_ops.flex_attention)
 
@@ -589,6 +675,8 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     if mesh is not None and layout.ep > 1:
         apply_ep(model, mesh)
     set_precision(model, precision, device)
+    if mesh is not None and layout.cp > 1:
+        apply_cp(model, mesh)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)

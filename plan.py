@@ -277,6 +277,8 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
     optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks."""
+    if tc.cp > 1:
+        raise ValueError(f"--cp={tc.cp}: plan.py does not model context parallelism yet; plan the layout with --cp=1.")
     layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)

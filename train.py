@@ -61,7 +61,7 @@ from parallel import say
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
 OFF_OR_MORE = at_least(0, "0 (off) or more")
-CHANGEABLE = ("tokenizer", "data")  # what --allow_changed may name; the data order's seed, lengths and batch are fixed
+CHANGEABLE = ("tokenizer", "data", "seq_len")  # what --allow_changed may name (seq_len: with global_batch); seed fixed
 
 
 @dataclass
@@ -105,9 +105,11 @@ class TrainConfig:
                                   "as many replicas of --dp_shard ranks as the world holds, the rest standing by "
                                   "(elastic jobs)", at_least(0, "auto (0) or at least 1"),
                                parse=lambda text: 0 if text == "auto" else int(text))
-    dp_shard: int = option(0, "FSDP group size S (0: world / dp_replicate; fixed while an elastic world changes)",
-                           NON_NEGATIVE)
+    dp_shard: int = option(0, "FSDP group size S, x cp (0: world / dp_replicate / cp; fixed while an elastic world "
+                              "changes)", NON_NEGATIVE)
     ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
+    cp: int = option(1, "context parallelism: each sequence split over cp ranks (world = R x S x cp)",
+                     Rule(lambda v, c: v >= 1 and c.seq_len % v == 0, "a divisor of seq_len={seq_len}"))
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
     keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward "
                                         "(one all-gather per step, not two per micro-batch; the whole model's memory)")
@@ -132,9 +134,9 @@ class TrainConfig:
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
                                           "final LR, or stretch it over --steps", one_of("keep", "stretch"))
     init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    allow_changed: str = option("", "on resume, accept another data set or tokenizer than the checkpoint's: data, "
-                                    "tokenizer or both, comma-separated (a curriculum change)",
-                                Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer or data"))
+    allow_changed: str = option("", "on resume, accept other data, tokenizer or seq_len (and global_batch: a context "
+                                    "extension) than the checkpoint's, comma-separated",
+                                Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer, data, seq_len"))
     # an unattended run (watch.py)
     step_timeout: float = option(600.0, "seconds without a completed step before the watchdog reports a hang and "
                                         "exits (0: off); also the collective timeout", OFF_OR_MORE)
@@ -226,11 +228,6 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.lr - (tc.lr - floor) * progress
 
 
-def state_copies(tc: TrainConfig) -> int:
-    """fp32 copies of the weights training keeps: weights, gradients, moments (AdamW two; Muon one, nearly all)."""
-    return 4 if tc.optimizer == "adamw" else 3
-
-
 # --- one optimizer step's pieces, which bench.py times as well
 
 def phase(name: str):
@@ -269,8 +266,8 @@ def forward_backward(model, batch, tc: TrainConfig, autocast, source_B=None, n_s
         losses += torch.stack([lm_loss.detach().float(), stats.aux_loss.detach(), stats.z_loss.detach()]) / n_micro
         loss_B.append(stats.loss_B)
     source_B = torch.zeros(len(tokens_BT), dtype=torch.long) if source_B is None else torch.as_tensor(source_B)
-    loss_S = torch.zeros(n_sources, dtype=torch.float64, device=device).index_add_(
-        0, source_B.to(device), torch.cat(loss_B).double())
+    loss_S = torch.zeros(n_sources, dtype=torch.float64, device=device).index_add_(  # cp ranks: a chunk's mean each
+        0, source_B.to(device), torch.cat(loss_B).double() / tc.cp)
     world = parallel.rank_world()[1]
     with phase("all-reduce counts, losses"):  # counts and sums over the global batch; each rank's mean loss / world
         numbers = torch.cat([losses.double() / world, loss_S, tokens_BT.sum().double().view(1),
@@ -328,17 +325,17 @@ class Run:
 def make_run(tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> Run:
     """The Run of this rank: the layout of `world` ranks checked against the model and batch, --micro_batch=0
     resolved to the rank's whole share, bf16 autocast on a GPU unless --dtype says otherwise."""
-    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
-    tc = with_micro_batch(tc, layout.world)
+    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp)
+    tc = with_micro_batch(tc, layout.dp)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     return Run(tc, cfg, layout, rank, device, autocast, torch.bfloat16 if bf16 else None, rank == 0)
 
 
-def with_micro_batch(tc: TrainConfig, world: int) -> TrainConfig:
-    """--micro_batch=0 resolved: each rank's whole share of the global batch in one forward (no accumulation)."""
-    return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // world)) if tc.micro_batch == 0 else tc
+def with_micro_batch(tc: TrainConfig, rows: int) -> TrainConfig:
+    """--micro_batch=0 resolved: a rank's whole share of the global batch over `rows` ranks, in one forward."""
+    return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // rows)) if tc.micro_batch == 0 else tc
 
 
 def claim_out_dir(tc: TrainConfig, master: bool) -> watch.Lease | None:
@@ -424,7 +421,7 @@ FREE_MODEL_FIELDS = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef") 
 
 def compare_settings(resume_from: str, resolved: dict):
     """The one compatibility check of a resume: another architecture is refused; so are another seed, length or batch
-    (they fix the data order), and other data or tokenizer unless --allow_changed; other settings are listed."""
+    (they fix the data order), and other data, tokenizer or length unless --allow_changed; other settings are listed."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     model = {name: (saved["model"].get(name), value) for name, value in resolved["model"].items()
              if saved["model"].get(name) != value}
@@ -445,11 +442,12 @@ def compare_settings(resume_from: str, resolved: dict):
         same = saved["tokenizer"]["name"] == resolved["tokenizer"]["name"]
     if not same:
         changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
-    for name in FIXED:
-        if name in changed:
-            raise ValueError(f"--{name}={changed[name][1]} differs from checkpoint {path}'s {changed[name][0]}, which "
-                             f"fixes the data order; resume with --{name}={changed[name][0]}, or start a new run.")
-    for name in [n for n in CHANGEABLE if n in changed and n not in listed(resolved["train"]["allow_changed"])]:
+    allowed = set(listed(resolved["train"]["allow_changed"]))
+    for name in [n for n in FIXED if n in changed and not ("seq_len" in allowed and n in ("seq_len", "global_batch"))]:
+        how = "" if name == "seed" else ", pass --allow_changed=seq_len to re-cut the data from here (more context)"
+        raise ValueError(f"--{name}={changed[name][1]} differs from checkpoint {path}'s {changed[name][0]}, which "
+                         f"fixes the data order; resume with --{name}={changed[name][0]}{how}, or start a new run.")
+    for name in [n for n in CHANGEABLE if n in changed and n not in allowed]:
         old, new = changed[name]
         how = "its contents changed since; restore them" if old == new else f"{old}); resume with --{name}={old}"
         raise ValueError(f"--{name}={new} is not the {name} checkpoint {path} was trained on ({how}, or pass "
@@ -457,6 +455,9 @@ def compare_settings(resume_from: str, resolved: dict):
     if changed:
         say(f"resuming {path} with settings that differ from its own:\n" +
             "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
+    if "seq_len" in changed:  # the loader has no state: each source's place is a function of its sequences and step
+        say("  seq_len: each source is cut into sequences of the new length, read from where a run of them from step 0 "
+            "would be at this step, in their own order (some tokens read before come again); the LR schedule goes on")
     if "data" in changed:  # the loader has no state: each source's place is a function of the mixture and the step
         say("  data: each source goes on from where the new --data puts it at this step, as if it had held from "
             "step 0; a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before STEP as they were")
@@ -465,10 +466,11 @@ def compare_settings(resume_from: str, resolved: dict):
 def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
     """This rank's train loader, and a validation loader by path for each source that has a val split."""
     tc = run.tc
+    rows, chunk = run.layout.data_rank(run.rank)  # the cp ranks of a group read the same rows, a chunk each
 
     def loader(spec: str, split: str) -> data.DataLoader:
-        return data.DataLoader(spec, split, tc.seq_len, tc.global_batch, run.rank, run.layout.world, tc.seed,
-                               vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer)
+        return data.DataLoader(spec, split, tc.seq_len, tc.global_batch, rows, run.layout.dp, tc.seed,
+                               vocab_size=run.cfg.vocab_size, tokenizer=tc.tokenizer, cp=(chunk, run.layout.cp))
 
     train_loader = loader(tc.data, "train")
     mixture = train_loader.mixture
@@ -479,12 +481,16 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
     return train_loader, val
 
 
+# fp32 copies of the weights training keeps, by optimizer: weights, gradients, moments (AdamW two; Muon one, nearly all)
+STATE_COPIES = {"adamw": 4, "muon": 3}
+
+
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or state_copies)."""
+    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or STATE_COPIES)."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
-                                 param_dtype=run.dtype, seed=run.tc.seed, state_copies=copies or state_copies(run.tc),
-                                 precision=run.tc.precision)
+                                 param_dtype=run.dtype, seed=run.tc.seed, precision=run.tc.precision,
+                                 state_copies=copies or STATE_COPIES[run.tc.optimizer])
     return model, parallel.build_optimizer(model, run.tc)
 
 
@@ -656,7 +662,7 @@ def sample(run: Run, model, tokenizer: str):
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set up, build, resume, train, finish; the lease is given back however it ends. Returns the losses and step."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep).world  # the rest stand by
+    used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp).world  # others stand by
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
     lease = claim_out_dir(tc, rank == 0)
     try:

@@ -723,6 +723,19 @@ def test_ranks_read_disjoint_slices_of_the_same_global_batch(fake):
             assert torch.equal(whole, torch.cat(parts))
 
 
+def test_context_parallel_ranks_read_contiguous_chunks_of_the_same_rows(fake):
+    """With cp=2 each of 2 row blocks is read by 2 ranks, a half of every row each: tokens, targets and document ids
+    (numbered over the whole row) join into the rows one process reads."""
+    single = DataLoader(fake, seq_len=50, global_batch=8)
+    chunks = [[DataLoader(fake, seq_len=50, global_batch=8, rank=r, world_size=2, cp=(c, 2)) for c in range(2)]
+              for r in range(2)]
+    for step in [0, 2, 24]:
+        rows = [[torch.cat(parts, 1) for parts in zip(*(c.batch(step) for c in row))] for row in chunks]
+        for whole, parts in zip(single.batch(step), zip(*rows)):
+            assert torch.equal(whole, torch.cat(parts))
+        assert chunks[1][1].batch(step)[0].shape == (4, 25)
+
+
 def test_resume_continues_at_the_exact_next_batch_with_any_world_size(fake):
     """A loader in a new process, on 2 ranks, reads step 7 on as the first one did on 1."""
     run = DataLoader(fake, seq_len=16, global_batch=8)

@@ -1,6 +1,6 @@
 """parallel.py against a single-process run: 8 and 2 gloo processes on CPU train the same tiny model on the same global
-batch under several layouts (HSDP, EP, activation checkpointing, compile, --keep_gathered) with train.py's own
-train_step, and must match one process step for step.
+batch under several layouts (HSDP, EP, context parallelism, activation checkpointing, compile, --keep_gathered) with
+train.py's own train_step, and must match one process step for step.
 
     python -m pytest tests/test_parallel.py -q
 
@@ -51,9 +51,22 @@ RUNS = {
     # ep=1 on 2 ranks: the experts' FSDP all-gather runs inside the selectively checkpointed block
     "R1_S2_ep1_selective_ac": dict(world=2, layout=dict(dp_replicate=1, ep=1), micro_batch=4, ac="selective"),
     "R1_S2_ep2_compiled": dict(world=2, layout=dict(dp_replicate=1, ep=2), micro_batch=4, compile="aot_eager"),
+    # Context parallelism, with document masks: each sequence's 32 tokens in 2 chunks of 16, its documents, the local
+    # layers' window of 8 and the global layer crossing the boundary. With HSDP and EP (each EP group's two ranks hold
+    # other rows), and alone with selective AC (its recompute reuses the all-to-alls and the balance loss's sum).
+    "R2_S2_cp2_ep2": dict(world=8, layout=dict(dp_replicate=2, ep=2, cp=2), micro_batch=2, doc_mask=True),
+    "R1_S1_cp2_selective_ac": dict(world=2, layout=dict(dp_replicate=1, cp=2), micro_batch=8, doc_mask=True,
+                                   ac="selective"),
 }
 BAD_LAYOUT = (dict(dp_replicate=1, ep=2), 3)  # on 2 ranks: global batch 16 is not a multiple of 2 x 3
-DCP_SAVE, DCP_LOAD = "R1_S8_ep8", "R2_S4_ep2"  # a torch.distributed.checkpoint saved on one layout, loaded on another
+# torch.distributed.checkpoints saved by a layout after training (the values), loaded by another (the keys) before
+DCP = {"R2_S4_ep2": "R1_S8_ep8", "R1_S1_cp2_selective_ac": "R2_S2_cp2_ep2"}
+
+
+def document_ids(tokens_BT):
+    """Documents ending at ids below 24 (about 1 token in 11), numbered within each row as data.py does."""
+    ends_BT = (tokens_BT < 24).long()
+    return ends_BT.cumsum(1) - ends_BT
 
 
 def batches():
@@ -65,7 +78,8 @@ def config(run=None):
     sign rule with a large step (so routing changes between steps), fp32 throughout."""
     run = run or dict(layout={}, micro_batch=GLOBAL_BATCH)
     return train.TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=run["micro_batch"], seq_len=SEQ, lr=LR,
-                             grad_clip=MAX_NORM, balance="sign", bias_step=BIAS_STEP, doc_mask=False, dtype="fp32",
+                             grad_clip=MAX_NORM, balance="sign", bias_step=BIAS_STEP,
+                             doc_mask=run.get("doc_mask", False), dtype="fp32",
                              ac=run.get("ac", "none"), compile=run.get("compile", False),
                              keep_gathered=run.get("keep_gathered", False), **run["layout"])
 
@@ -85,12 +99,15 @@ def train_steps(run, model, tokens):
                                for n, p in model.named_parameters()}
     optimizer.register_step_pre_hook(keep_first_grads)
     momentum_LE = torch.zeros(len(model.moe_layers()), CFG.n_experts, device=run.device)
-    local_batch = GLOBAL_BATCH // run.layout.world
+    rows, chunk = run.layout.data_rank(run.rank)
+    local_batch = GLOBAL_BATCH // run.layout.dp
+    columns = slice(chunk * SEQ // run.layout.cp, (chunk + 1) * SEQ // run.layout.cp)  # as data.DataLoader cuts
     steps = [0]
     for step in range(STEPS):
-        mine = tokens[step, run.rank * local_batch:(run.rank + 1) * local_batch]
-        out = bench.train_step(model, optimizer, (mine[:, :-1], mine[:, 1:], torch.zeros_like(mine[:, 1:])), run.tc,
-                               run.autocast, momentum_LE, steps)
+        mine = tokens[step, rows * local_batch:(rows + 1) * local_batch]
+        batch = (mine[:, :-1], mine[:, 1:], document_ids(mine[:, :-1]))
+        out = bench.train_step(model, optimizer, tuple(t[:, columns] for t in batch), run.tc, run.autocast,
+                               momentum_LE, steps)
         record["loss"].append(out["loss"])
         record["grad_norm"].append(out["grad_norm"])
         record["counts"].append(out["counts_LE"].cpu())
@@ -124,16 +141,16 @@ def run_layout(name, init, tokens, rank, world, device):
                              if ("experts." in n) == (kind == "experts")) for kind in ("dense", "experts")}
 
     gathered = {"fresh_init": {k: v.clone() for k, v in get_model_state_dict(model, options=full_options).items()}}
-    if name == DCP_LOAD:
+    if name in DCP:
         sharded = get_model_state_dict(model)
-        dcp.load(sharded, checkpoint_id=OUT / "dcp")
+        dcp.load(sharded, checkpoint_id=OUT / f"dcp_{DCP[name]}")
         set_model_state_dict(model, sharded)
         gathered["dcp_loaded"] = get_model_state_dict(model, options=full_options)
     set_model_state_dict(model, dict(init), options=StateDictOptions(full_state_dict=True))  # it edits the dict
     record = train_steps(run, model, tokens)
     full = get_model_state_dict(model, options=full_options)
-    if name == DCP_SAVE:
-        dcp.save(get_model_state_dict(model), checkpoint_id=OUT / "dcp")
+    if name in DCP.values():
+        dcp.save(get_model_state_dict(model), checkpoint_id=OUT / f"dcp_{name}")
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"bias": [m.expert_bias.cpu().clone() for m in model.moe_layers()],
                                       "counts": record["counts"], "bytes": param_bytes,
@@ -177,20 +194,32 @@ def runs(tmp_path_factory, request):
     if device.type == "cuda":  # as the ranks run them (run_layout)
         for moe in model.moe_layers():
             moe.experts.impl = "loop"
-    reference = train_steps(train.make_run(config(), CFG, 0, 1, device), model, tokens)
-    reference["state_dict"] = {k: v.cpu() for k, v in model.state_dict().items()}
-    reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
-    reference["device"] = device
+    references = {}
+    # What parallel.build_model initialises in one process from the same (default) seed.
+    fresh = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu")).state_dict()
+    for doc_mask in (False, True):  # one process, without and with document masks, from the same weights
+        model.load_state_dict(torch.load(out / "init.pt")["state_dict"])
+        one = dict(layout={}, micro_batch=GLOBAL_BATCH, doc_mask=doc_mask)
+        reference = train_steps(train.make_run(config(one), CFG, 0, 1, device), model, tokens)
+        reference["state_dict"] = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+        reference["bias"] = [m.expert_bias.cpu().clone() for m in model.moe_layers()]
+        reference["device"] = device
+        reference["fresh_init"] = fresh
+        references[doc_mask] = reference
     results = {name: torch.load(out / f"{name}.pt", map_location="cpu") for name in RUNS}
     bad = [(out / f"bad_layout_rank{r}.txt").read_text() for r in range(2)]
-    # What parallel.build_model initialises in one process from the same (default) seed.
-    reference["fresh_init"] = parallel.build_model(CFG, parallel.Layout(1), None, torch.device("cpu")).state_dict()
-    return reference, results, bad
+    return references, results, bad
+
+
+def reference_of(references: dict, name: str) -> dict:
+    """The single-process run a layout is compared with: with document masks or without, as that layout trained."""
+    return references[RUNS[name].get("doc_mask", False)]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_matches_single_process(runs, name):
-    reference, results, _ = runs
+    references, results, _ = runs
+    reference = reference_of(references, name)
     run = results[name]
     # Same routing decisions, hence the same global tokens-per-expert, every step.
     for ours, theirs in zip(run["counts"], reference["counts"]):
@@ -206,7 +235,8 @@ def test_training_matches_single_process(runs, name):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_expert_bias_identical_on_every_rank(runs, name):
-    reference, results, _ = runs
+    references, results, _ = runs
+    reference = reference_of(references, name)
     for rank_result in results[name]["per_rank"]:
         for ours, want in zip(rank_result["bias"], reference["bias"]):
             assert torch.equal(ours, want)
@@ -216,7 +246,8 @@ def test_expert_bias_identical_on_every_rank(runs, name):
 
 @pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n]["world"] == 8])
 def test_each_rank_holds_its_share_of_the_parameters(runs, name):
-    reference, results, _ = runs
+    references, results, _ = runs
+    reference = reference_of(references, name)
     # Dense parameters are sharded over dp_shard ranks, experts over efsdp x ep: the same number of ranks.
     shard = RUNS[name]["world"] // RUNS[name]["layout"]["dp_replicate"]
     total = {kind: sum(t.numel() * t.element_size() for n, t in reference["state_dict"].items()
@@ -231,7 +262,8 @@ def test_each_rank_holds_its_share_of_the_parameters(runs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_fresh_initialisation_matches_single_process(runs, name):
     """build_model gives every layout, from the same seed, the exact weights one process draws."""
-    reference, results, _ = runs
+    references, results, _ = runs
+    reference = reference_of(references, name)
     if reference["device"].type == "cuda":
         pytest.skip("on CUDA, DTensor's RNG tracker draws shards from one global stream, not one process's draws")
     fresh, want = results[name]["fresh_init"], reference["fresh_init"]
@@ -240,9 +272,11 @@ def test_fresh_initialisation_matches_single_process(runs, name):
         assert torch.equal(fresh[key], want[key]), key
 
 
-def test_checkpoint_saved_on_one_layout_loads_on_another(runs):
+@pytest.mark.parametrize("load, save", list(DCP.items()))
+def test_checkpoint_saved_on_one_layout_loads_on_another(runs, load, save):
+    """Trained on one layout (with context parallelism too), loaded on another: the same weights."""
     _, results, _ = runs
-    saved, loaded = results[DCP_SAVE]["state_dict"], results[DCP_LOAD]["dcp_loaded"]
+    saved, loaded = results[save]["state_dict"], results[load]["dcp_loaded"]
     assert saved.keys() == loaded.keys()
     for key, want in saved.items():
         assert torch.equal(loaded[key], want), key
@@ -263,6 +297,24 @@ def test_describe_names_the_groups():
     assert "expert FSDP groups (efsdp=2): [0,2] [1,3] [4,6] ... (4 groups)" in text
     assert "routed experts: 16/2 = 8 per EP rank, 4 per GPU" in text
     assert "1 process" in parallel.Layout(1).describe()
+    text = parallel.Layout(8, dp_replicate=1, ep=2, cp=2).describe(n_experts=16)
+    assert "mesh [dp_replicate=1, efsdp=2, cp=2, ep=2] over 8 ranks" in text
+    assert "FSDP groups (dense params, dp_shard=4 x cp=2): [0-7]" in text
+    assert "CP groups (cp=2, the chunks of a row): [0,2] [1,3] [4,6] ... (4 groups)" in text
+    assert "expert FSDP groups (efsdp=2 x cp=2): [0,2,4,6] [1,3,5,7]" in text
+    assert "routed experts: 16/2 = 8 per EP rank, 2 per GPU" in text
+
+
+def test_context_parallel_data_ranks_and_refusals():
+    """The cp ranks of a group read the same rows, a chunk each, in build_mesh's order [dp_replicate, efsdp, cp, ep];
+    a cp that does not divide the sequence is refused in one sentence, and so is one launched on too few ranks."""
+    layout = parallel.Layout(8, dp_replicate=2, ep=2, cp=2)
+    assert [layout.data_rank(r) for r in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert (layout.dp, layout.dp_shard, layout.efsdp) == (4, 2, 1)
+    with pytest.raises(ValueError, match=r"--cp=3 must be a divisor of seq_len=32"):
+        config(dict(layout=dict(cp=3), micro_batch=1))
+    with pytest.raises(ValueError, match=r"--dp_replicate=1 x --dp_shard=2 x --cp=2 is 4 ranks but 2 were launched"):
+        parallel.Layout.for_world(2, 1, 2, 1, 2)
 
 
 @pytest.mark.parametrize("layout, micro_batch, message", [
@@ -271,6 +323,12 @@ def test_describe_names_the_groups():
     (dict(world=8, ep=8), 1, None),  # fine
     (dict(world=6, ep=3), 1, "n_experts=16 is not divisible by ep=3"),
     (dict(world=8, dp_replicate=2, ep=2), 4, "global_batch=16 sequences is not divisible by world 8 x micro_batch 4"),
+    # context parallelism: cp x the others must make the world; cp splits the kv heads; rows are world / cp
+    (dict(world=8, cp=3), 1, r"world size 8 is not divisible by dp_replicate=1 x cp=3; choose cp from \[1, 2, 4, 8\]"),
+    (dict(world=8, cp=4), 1, r"cp=4 does not divide n_kv_heads=2: .* choose cp from \[1, 2\]"),
+    (dict(world=8, cp=2, ep=8), 1, r"ep=8 does not divide dp_shard=4 \(world 8 / dp_replicate 1 / cp 2\)"),
+    (dict(world=8, cp=2), 8, "global_batch=16 sequences is not divisible by world 8 / cp 2 x micro_batch 8 = 32"),
+    (dict(world=8, cp=2), 2, None),
 ])
 def test_layout_check(layout, micro_batch, message):
     check = lambda: parallel.Layout(**layout).check(CFG, GLOBAL_BATCH, micro_batch)  # noqa: E731

@@ -184,6 +184,33 @@ def test_resume_on_another_world_size(reference, corpus_dir, tmp_path, capsys, n
         assert abs(r["lm_loss"] - ref[step]["lm_loss"]) <= LOSS_TOL, (step, r["lm_loss"], ref[step]["lm_loss"])
 
 
+# --- a context-extension phase: the run goes on with 4x longer sequences, split over 2 context-parallel ranks
+
+def test_context_extension_resumes_with_longer_sequences_on_cp_ranks(reference, corpus_dir, tmp_path, capsys):
+    """The reference's first 10 steps (4 x 32 tokens, 4 ranks), then steps 11-20 at --seq_len=128 on 2 ranks with
+    --cp=2 and --global_batch=1 (the same 128 tokens a step): refused unless --allow_changed=seq_len; then the LR
+    schedule goes on as planned, each step is logged once, and every step reads 128 tokens in one sequence."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("lease.json", "step_00000020", "log.*"))
+    longer = args(corpus_dir, out, "--steps=20", "--seq_len=128", "--global_batch=1", "--micro_batch=1")
+    with pytest.raises(ValueError, match=r"--seq_len=128 differs from checkpoint .*step_00000010's 32, which fixes "
+                                         r"the data order; resume with --seq_len=32, pass --allow_changed=seq_len"):
+        train.main(*train.parse_args(longer))
+    code, stdout, err = run([*longer, "--cp=2", "--allow_changed=seq_len"], tmp_path / "log", nproc=2)
+    assert code == 0, err[-4000:]
+    assert f"resumed from {out}/checkpoints/step_00000010 at step 10" in stdout
+    assert "seq_len: 32 -> 128" in stdout and "global_batch: 4 -> 1" in stdout
+    assert "CP groups (cp=2, the chunks of a row): [0-1]" in stdout
+    ref = last_rows(reference)
+    logged = rows(out)
+    assert [r["step"] for r in logged] == list(range(1, 21))  # the first phase's steps 11-20 were dropped
+    for r in logged:
+        assert r["lr"] == ref[r["step"]]["lr"], r["step"]  # the cosine schedule over 20 steps, uninterrupted
+        assert sum(r["tokens_by_source"].values()) == 128
+        assert r["loss"] == ref[r["step"]]["loss"] if r["step"] <= 10 else math.isfinite(r["loss"])
+    assert json.loads((out / "config.json").read_text())["train"]["seq_len"] == 128
+
+
 # --- kill -9 in the middle of a checkpoint write
 
 def test_kill_during_checkpoint_write_resumes_from_the_previous(corpus_dir, tmp_path, capsys):
