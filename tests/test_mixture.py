@@ -142,5 +142,5 @@ def test_a_toml_config_gives_a_mixture_as_the_flag_spells_it(corpus_dir, csv_dir
     table.write_text(f'[train.data]\n"{corpus_dir}" = 3\n')
     with pytest.raises(SystemExit):
         train.parse_args([f"--config={table}"])
-    assert f"--config={table} sets train.data to {{'{corpus_dir}': 3}}, which is not a valid str." in \
+    assert f"--config={table} sets train.data to {{'{corpus_dir}': 3}}, which is not a valid string." in \
         capsys.readouterr().err
