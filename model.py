@@ -118,6 +118,11 @@ def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: arg
                        + "\n")
 
 
+def listed(text: str) -> list[str]:
+    """The items of a comma-separated flag value, blanks dropped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def parse_bool(text: str) -> bool:
     """A flag's true or false in the words people type (1/0, yes/no, on/off too); argparse's bool() takes any text."""
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):

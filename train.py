@@ -49,6 +49,7 @@ from model import (
     Rule,
     at_least,
     check,
+    listed,
     meta_model,
     one_of,
     option,
@@ -115,6 +116,7 @@ class TrainConfig:
                                         "(one all-gather per step, not two per micro-batch; the whole model's memory)")
     compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
+    threads: int = option(0, "CPU threads per process (0: torch's, one per core; busy CPU: 1 is faster)", OFF_OR_MORE)
     precision: str = option("bf16", "fp8, mxfp8: block matmuls via torchao (README)", one_of(*parallel.PRECISIONS))
     keep_precision: bool = option(False, "keep --precision after a rollback (default: the run goes on in bf16)")
     # logging and evaluation
@@ -140,10 +142,9 @@ class TrainConfig:
     # an unattended run (watch.py)
     step_timeout: float = option(600.0, "seconds without a completed step before the watchdog reports a hang and "
                                         "exits (0: off); also the collective timeout", OFF_OR_MORE)
-    spike_threshold: float = option(10.0, "a step whose loss or gradient norm is this many robust deviations (on the "
-                                          "log scale) above the median of the last --spike_window steps is skipped "
-                                          "with its batch, as a non-finite one is (0: only non-finite ones)",
-                                    OFF_OR_MORE)
+    spike_threshold: float = option(10.0, "skip a step and its batch if its loss or gradient norm is this many robust "
+                                          "deviations (log scale) above the last --spike_window steps' median (0: "
+                                          "only non-finite steps)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
     spike_rollback: int = option(3, "this many bad steps within --spike_window roll back to the newest checkpoint "
                                     "before the first, skipping their data", POSITIVE)
@@ -157,11 +158,6 @@ class TrainConfig:
         check(self)
         watch.log_sinks(self.log_to)  # a sink without its package is refused before any data or model is touched
         watch.parse_drills(self.drill)
-
-
-def listed(text: str) -> list[str]:
-    """The items of a comma-separated flag value, blanks dropped."""
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 # --- command line: every TrainConfig and ModelConfig field is a --flag=value option
@@ -661,8 +657,9 @@ def sample(run: Run, model, tokenizer: str):
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
     """Set up, build, resume, train, finish; the lease is given back however it ends. Returns the losses and step."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp).world  # others stand by
+    torch.set_num_threads(tc.threads or torch.get_num_threads())  # on a busy CPU, waiting threads stall each other
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # the ranks past the layout's world stand by
+    used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp).world
     rank, world, device = parallel.init_distributed(timeout_s=max(60, tc.step_timeout or 1800), used=used)
     lease = claim_out_dir(tc, rank == 0)
     try:

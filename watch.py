@@ -35,7 +35,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import parallel
-from model import max_vio, meta_model, suggest
+from model import listed, max_vio, meta_model, suggest
 from parallel import say
 
 
@@ -154,7 +154,7 @@ LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each the name of the
 
 def log_sinks(log_to: str) -> list[str]:
     """The sinks --log_to names, refused in a sentence if unknown or not installed."""
-    names = [] if log_to == "none" else [name.strip() for name in log_to.split(",") if name.strip()]
+    names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
             close = suggest(name, LOG_SINKS)

@@ -280,3 +280,13 @@ def test_bias_freeze_step_stops_the_bias_updates_exactly_there():
         seen.append(biases(model))
     moved = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
     assert moved == [True] * freeze + [False] * 2
+
+
+def test_threads_sets_the_cpu_threads_of_the_run(corpus_dir, tmp_path):
+    """--threads=1: one torch thread per process (on a busy CPU, threads waiting for a core stall each other)."""
+    before = torch.get_num_threads()
+    try:
+        train.main(*train.parse_args(run_args(corpus_dir, tmp_path, "--steps=1", "--threads=1")))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
