@@ -179,7 +179,8 @@ def test_a_missing_or_foreign_baseline_is_one_sentence(tmp_path, capsys):
     assert bench.main(FLAGS + [f"--compare={tmp_path}/metrics.json"]) == 2
     assert "is not a baseline written by bench.py --save" in capsys.readouterr().err
     assert bench.main(FLAGS + [f"--save={tmp_path}/no/such/folder/baseline.json"]) == 2
-    assert "its folder does not exist" in capsys.readouterr().err
+    assert "baseline.json cannot be written (a folder, read-only, or in a folder that does not exist)" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         bench.main(["--tolerance=-0.1"])
     assert "argument --tolerance: -0.1 must be at least 0" in str(e.value) + capsys.readouterr().err
