@@ -1,20 +1,20 @@
 """
-Benchmarks: what a training step costs and where its time goes. It times train.py's own step (train.train_step, same
-flags) on synthetic tokens; training never imports it. Planning a cluster run is plan.py's.
+Benchmarks: what a training step costs and where its time goes. It times train.py's own step (same flags) on
+synthetic tokens; training never imports it.
 
-    python bench.py --preset=tiny                        # ms/step, tokens/s, TFLOP/s, MFU, memory, phases, components
-    python bench.py --preset=tiny --dim=64 --iters=3 --json   # every train.py flag works (model, layout, --ac ...)
-    python bench.py --preset=nano --save=base.json       # a baseline: times, components, kernels, versions
-    python bench.py --preset=nano --compare=base.json    # after an upgrade: what moved (exit codes below)
+    python bench.py --preset=tiny                      # ms/step, tokens/s, MFU, memory, phases, components
+    python bench.py --preset=tiny --dim=64 --json      # takes every train.py flag
+    python bench.py --preset=nano --save=base.json     # a baseline: times, kernels, numbers, versions
+    python bench.py --preset=nano --compare=base.json  # after an upgrade: what moved
     torchrun --nproc_per_node=8 bench.py --dp_replicate=2 --ep=4 --global_batch=64
-    python bench.py moe --preset=nano --tokens=2048      # one MoE layer: grouped GEMM vs per-expert loop vs dense
-    torchrun --nproc_per_node=2 bench.py moe --preset=tiny   # ... plus the expert-parallel all-to-all path
-    python bench.py vs-hf --preset=tiny                  # our train step vs transformers' AfmoeForCausalLM
-    python bench.py data --workers 1 2                   # data.py's tokens/s per core vs tiktoken's batch encoder
+    python bench.py moe --preset=nano --tokens=2048    # one MoE layer: grouped GEMM, per-expert loop, dense
+    torchrun --nproc_per_node=2 bench.py moe           # ... and the expert-parallel all-to-all
+    python bench.py vs-hf --preset=tiny                # our step vs transformers' AfmoeForCausalLM
+    python bench.py data --workers 1 2                 # data.py's tokens/s per core vs tiktoken's
 
 `--compare` exits 0: nothing moved, 1: slower, 3: the numbers moved, 4: both, 2: bad input. On a shared machine
-compare ratios measured in one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (two threads on two busy
-cores can run 100x slower).
+compare ratios from one run (moe_to_dense, speedup) and add `--threads=1 --clock=cpu` (idle threads spin: two on
+two busy cores can run 100x slower).
 """
 
 import argparse
@@ -34,7 +34,6 @@ import unittest.mock
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import DeviceType
@@ -43,7 +42,6 @@ from torch.distributed.tensor import DTensor
 import parallel
 import train
 from model import (
-    POSITIVE,
     PRESETS,
     FeedForward,
     MoE,
@@ -57,14 +55,13 @@ from model import (
 )
 from parallel import say
 
-COMMANDS = {"moe": "One MoE layer's forward + backward: grouped GEMM, per-expert loop, dense SwiGLU, expert parallel.",
-            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM, same config and work, timed alternately.",
-            "data": "data.py's tokens/s per core against its tokenizer library's batch encoder on the same text."}
+COMMANDS = {"moe": "One MoE layer: grouped GEMM, per-expert loop, dense and expert parallel, forward + backward.",
+            "vs-hf": "Our training step vs transformers' AfmoeForCausalLM, timed alternately.",
+            "data": "data.py's tokens/s per core vs its tokenizer library's batch encoder."}
 
 # --- Timing, memory and synthetic data
 
-# --clock=cpu: the process's CPU time, which a busy machine inflates far less (use --threads=1: idle threads spin).
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # CPU time: a busy machine inflates it far less
 clock = CLOCKS["wall"]
 
 
@@ -78,11 +75,11 @@ def timed_ms(fn, device: torch.device, read=None) -> float:
     return (read() - t0) * 1e3
 
 
-def alternate(fns: dict, device: torch.device, warmup: int, iters: int, flip: bool = False) -> dict:
-    """{name: [ms per timed step]}, the functions in turn (a drift hits all alike), reversed on odd steps if `flip`."""
+def alternate(fns: dict, device: torch.device, warmup: int, iters: int) -> dict:
+    """{name: [ms]}: the functions in turn, reversed on odd steps, so that a drift hits all alike."""
     times = defaultdict(list)
     for i in range(warmup + iters):
-        for name, fn in list(fns.items())[::-1 if flip and i % 2 else 1]:
+        for name, fn in list(fns.items())[::-1 if i % 2 else 1]:
             ms = timed_ms(fn, device)
             if i >= warmup:
                 times[name].append(ms)
@@ -95,8 +92,25 @@ def spread(ms: list[float]) -> dict:
             "iters": len(ms)}
 
 
+def record_times(result: dict, times: dict):
+    """Each function's median ms (the slowest rank's) and its minimum."""
+    for name, ms in times.items():
+        result[f"{name}_ms"] = max_over_ranks(statistics.median(ms))
+        result[f"{name}_ms_min"] = min(ms)
+
+
+def max_over_ranks(value: float) -> float:
+    return max(parallel.gathered(float(value)))
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def describe(run: train.Run) -> str:
+    c = run.cfg
+    return (f"{run.tc.preset} {c.dim}d x {c.n_layers} layers, {c.n_experts} experts of {c.expert_hidden} top-{c.top_k}"
+            f", vocab {c.vocab_size}; {run.dtype or torch.float32} on {device_name(run.device)}")
 
 
 def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int, world: int, seed: int):
@@ -112,8 +126,7 @@ def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, rank: int,
 
 
 def train_step(model, optimizer, batch, tc, autocast, momentum_LE: torch.Tensor, steps: list[int]) -> dict:
-    """One of train.py's steps, as its loop makes it (every step applied): forward and backward, optimizer step,
-    expert-bias update; steps[0] counts them, for the LR schedule."""
+    """One of train.py's steps, every one applied; steps[0] counts them for the LR schedule."""
     for group in optimizer.param_groups:
         group["lr"] = train.lr_at(steps[0], tc)
     out = train.forward_backward(model, batch, tc, autocast)
@@ -125,27 +138,26 @@ def train_step(model, optimizer, batch, tc, autocast, momentum_LE: torch.Tensor,
     return out
 
 
+def stepper(run: train.Run, model, optimizer, batch):
+    """train_step on `batch`, as a function of nothing."""
+    momentum_LE = torch.zeros(len(model.moe_layers()), run.cfg.n_experts, device=run.device)
+    steps = [0]
+    return lambda: train_step(model, optimizer, batch, run.tc, run.autocast, momentum_LE, steps)
+
+
 def model_config(tc: train.TrainConfig, overrides: dict):
-    """train.model_config with the preset's vocabulary instead of a tokenizer's; --vocab_size overrides it, unpadded,
-    as in train.py."""
+    """train.model_config with the preset's vocabulary standing in for a tokenizer's."""
     return train.model_config(tc, overrides, PRESETS[tc.preset].vocab_size)
-
-
-def max_over_ranks(value: float) -> float:
-    if parallel.rank_world()[1] == 1:
-        return value
-    t = torch.tensor([float(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 # --- Where the time goes: profiler ranges around the model's components, attributed forward and backward
 
 SCOPE = "bench::"  # our ranges
-PHASE = "train_step::"  # train.phase ranges around the step's phases
-COMM_MARKERS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
-                "all_to_all", "alltoall", "record_param_comms", "nccl:", "gloo:", "FSDP::")
-STEP_LABELS = ("grad clip", "expert-bias update")  # train_step's phases that are components of their own
+PHASE = "train_step::"  # train.phase's ranges
+BACKWARD = "autograd::engine::evaluate_function"  # a backward node's range
+COMM_MARKERS = ("allreduce", "allgather", "reducescatter", "alltoall", "recordparamcomms", "nccl:", "gloo:", "fsdp::")
+STEP_LABELS = ("grad clip", "expert-bias update")  # the step's phases that are components of their own
+STEP_RANGES = tuple(PHASE + label for label in STEP_LABELS)
 
 
 @contextlib.contextmanager
@@ -159,14 +171,14 @@ def wrapped(targets):
 
 
 def moe_targets(moe: MoE) -> list:
-    # The z-loss and the sort/gather/scatter are written inline in MoE.forward: they land in its own range.
+    # The z-loss and the sort/gather/scatter are inline in MoE.forward: they land in its own range.
     targets = [(moe, "forward", "MoE permutation, combine, z-loss"), (moe, "route", "router"),
                (moe, "balance_loss", "router"), (moe.experts, "forward", "routed experts")]
     return targets + ([(moe.shared, "forward", "shared expert")] if moe.shared is not None else [])
 
 
 def model_targets(model, blocks: bool = True) -> list:
-    # The fused head and loss (head_loss) are one component; compiled blocks (fused graphs) land in the model's range.
+    # The fused head and loss are one component; compiled blocks (fused graphs) land in the model's range.
     targets = [(model, "forward", "masks, RoPE tables" if blocks else "compiled blocks, masks, RoPE tables"),
                (model.embed, "forward", "embedding"), (model.norm, "forward", "final norm"),
                (model, "head_loss", "output head, cross-entropy")]
@@ -178,40 +190,40 @@ def model_targets(model, blocks: bool = True) -> list:
     return targets
 
 
-def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, dict, float, dict]:
-    """fn run `steps` times, `targets` wrapped; per step {label: {fwd, bwd, total} ms} (an op's self time charged to its
-    innermost bench:: or step-label range, a backward op to its forward's), {label: {op: [calls, ms]}}, wall, phases."""
-    on_device = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
+def profile(fn, device: torch.device, targets) -> tuple[dict, dict, float, dict]:
+    """fn with `targets` wrapped: {label: {fwd, bwd, total} ms}, {label: {op: [calls, ms]}}, wall ms, {phase: ms}.
+    An op's self time goes to its innermost range, a backward op's to its forward's."""
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with wrapped(targets), torch.profiler.profile(activities=activities) as prof:
-        wall = sum(timed_ms(fn, device, time.perf_counter) for _ in range(steps)) / steps  # as the profiler's
+        wall = timed_ms(fn, device, time.perf_counter)  # the profiler's clock
 
-    def self_us(e):
-        return e.self_device_time_total if on_device else e.self_cpu_time_total
+    def self_ms(e):
+        return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3
 
     def owner(e):
         while e is not None:
-            if e.name.startswith(SCOPE) or e.name.startswith(PHASE) and e.name[len(PHASE):] in STEP_LABELS:
+            if e.name.startswith(SCOPE) or e.name in STEP_RANGES:
                 label = e.name.split("::", 1)[1]
                 return label, "total" if label in STEP_LABELS else "fwd"
             if e.name.startswith("Optimizer."):
                 return "optimizer", "total"
-            if any(m in e.name for m in COMM_MARKERS):
+            if any(m in e.name.lower().replace("_", "") for m in COMM_MARKERS):
                 return "communication", "total"
-            if e.name.startswith("autograd::engine::evaluate_function"):
+            if e.name.startswith(BACKWARD):
                 return None, e
             e = e.cpu_parent
         return "other", "total"
 
     def phase(e):
         while e is not None and not e.name.startswith(PHASE):
-            if e.name.startswith("autograd::engine::evaluate_function"):
+            if e.name.startswith(BACKWARD):
                 return "backward"
             e = e.cpu_parent
         return "other" if e is None else e.name[len(PHASE):]
 
     table = defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "total": 0.0})
-    ops = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    ops = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     phases = defaultdict(float)
     forward_of = {}
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # a node's forward op before its backward
@@ -219,27 +231,26 @@ def profile(fn, device: torch.device, targets, steps: int = 1) -> tuple[dict, di
         if label is not None and e.sequence_nr >= 0:
             # Ops that make no autograd node record the next sequence number too; the last to record it made it.
             forward_of[(e.thread, e.sequence_nr)] = label
-        if on_device and e.device_type != DeviceType.CPU:
-            continue  # a kernel: its time is already in the self device time of the CPU op that launched it
-        ms = self_us(e) / 1e3 / steps
-        phases[phase(e)] += ms
-        if e.name.startswith(PHASE) and e.name[len(PHASE):] not in STEP_LABELS:
-            continue  # a phase's own time (python between its ops) belongs to no component
+        if cuda and e.device_type != DeviceType.CPU:
+            continue  # a kernel: already in the self device time of the CPU op that launched it
+        phases[phase(e)] += self_ms(e)
+        if e.name.startswith(PHASE) and e.name not in STEP_RANGES:
+            continue  # a phase's own time (python between its ops): no component's
         if label is None:  # inside a backward node
             label = forward_of.get((where.fwd_thread, where.sequence_nr),
                                    "gradient accumulation into .grad" if "AccumulateGrad" in where.name else "other")
             where = "bwd"
-        table[label][where] += ms
-        for name, us in [(k.name, k.duration) for k in e.kernels] if on_device else [(e.name, self_us(e))]:
-            ops[label][name][0] += 1 / steps
-            ops[label][name][1] += us / 1e3 / steps
+        table[label][where] += self_ms(e)
+        for name, ms in [(k.name, k.duration / 1e3) for k in e.kernels] if cuda else [(e.name, self_ms(e))]:
+            ops[label][name][0] += 1
+            ops[label][name][1] += ms
     for row in table.values():
         row["total"] += row["fwd"] + row["bwd"]
     return dict(table), {label: dict(kernels) for label, kernels in ops.items()}, wall, dict(phases)
 
 
 def merged(ops: dict, scale: float = 1.0) -> dict:
-    """{name: [calls, ms]} summed over fingerprints {key: {name: [calls, ms]}} and scaled (1/n: the mean of n)."""
+    """{name: [calls, ms]} summed over {key: {name: [calls, ms]}} and scaled (1/n: the mean of n)."""
     out = defaultdict(lambda: [0.0, 0.0])
     for kernels in ops.values():
         for name, (calls, ms) in kernels.items():
@@ -249,30 +260,30 @@ def merged(ops: dict, scale: float = 1.0) -> dict:
 
 
 def median_profile(runs: list) -> tuple[dict, dict, float, dict]:
-    """profile() results as one: medians, kernel means, quartiles of each share (a busy machine stretches all alike)."""
+    """profile() runs as one: medians, kernel means, each share's quartiles (a busy machine stretches all alike)."""
     zero = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
+    tables, opss, walls, phasess = zip(*runs)
     table = {}
-    for label in set().union(*(t for t, _, _, _ in runs)):
-        q = spread([t.get(label, zero)["total"] / wall for t, _, wall, _ in runs])
-        table[label] = {k: statistics.median(t.get(label, zero)[k] for t, _, _, _ in runs) for k in zero}
+    for label in set().union(*tables):
+        q = spread([t.get(label, zero)["total"] / wall for t, wall in zip(tables, walls)])
+        table[label] = {k: statistics.median(t.get(label, zero)[k] for t in tables) for k in zero}
         table[label] |= {"share": q["ms_median"], "share_p25": q["ms_p25"], "share_p75": q["ms_p75"]}
-    kernels = {label: merged({i: ops.get(label, {}) for i, (_, ops, _, _) in enumerate(runs)}, 1 / len(runs))
-               for label in set().union(*(ops for _, ops, _, _ in runs))}
-    order = sorted(dict.fromkeys(label for *_, p in runs for label in p), key=lambda label: label == "other")
-    phases = {label: statistics.median(p.get(label, 0.0) for *_, p in runs) for label in order}
-    return table, kernels, statistics.median(wall for _, _, wall, _ in runs), phases
+    kernels = {label: merged({i: ops.get(label, {}) for i, ops in enumerate(opss)}, 1 / len(runs))
+               for label in set().union(*opss)}
+    order = sorted(dict.fromkeys(label for p in phasess for label in p), key=lambda label: label == "other")
+    phases = {label: statistics.median(p.get(label, 0.0) for p in phasess) for label in order}
+    return table, kernels, statistics.median(walls), phases
 
 
 def print_components(table: dict, wall_ms: float, what: str):
-    say(f"where the time goes ({what}; profiler self time per op, a backward op charged to its forward's component, "
-        f"recomputation under AC counted as forward, the output head's gradients made in its forward):")
+    say(f"where the time goes ({what}; self time per op, backward in its forward's component, AC's recomputation "
+        f"as forward, the output head's gradients in its forward):")
     say(f"  {'component':34s} {'fwd ms':>9s} {'bwd ms':>9s} {'total ms':>9s} {'share':>6s}")
     for label, row in sorted(table.items(), key=lambda kv: -kv[1]["total"]):
         say(f"  {label:34s} {row['fwd']:9.2f} {row['bwd']:9.2f} {row['total']:9.2f} "
             f"{100 * row['total'] / wall_ms:5.1f}%")
     gap = wall_ms - sum(row["total"] for row in table.values())
-    say(f"  {'(python, gaps: wall - profiled)':34s} {'':9s} {'':9s} {gap:9.2f} {100 * gap / wall_ms:5.1f}%   of "
-        f"{wall_ms:.1f} ms profiled")
+    say(f"  {'(python, gaps: wall - profiled)':54s} {gap:9.2f} {100 * gap / wall_ms:5.1f}%   of {wall_ms:.1f} ms")
 
 
 # --- bench.py [train flags]: the training step
@@ -285,67 +296,57 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     cfg = run.cfg
     config = step_config(tc, cfg, world, args.clock)
     baseline = load_baseline(args.compare, config) if args.compare else None  # refused before anything is built
-    # a baseline that cannot be written fails now, not after the benchmark: a folder, a read-only file or folder
+    # An unwritable baseline (a folder, read-only, no such folder) fails now, not after the benchmark.
     writable = os.path.isfile(args.save) and os.access(args.save, os.W_OK) or not os.path.exists(args.save) and \
         os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK | os.X_OK)
     if args.save and not writable:
-        raise FileNotFoundError(f"--save={args.save} cannot be written (a folder, read-only, or in a folder that does "
-                                f"not exist); pass a file path in a folder you can write to.")
+        raise FileNotFoundError(f"--save={args.save} cannot be written; pass a file path in a folder you can write to.")
     model, optimizer = train.build(run)
-    momentum_LE = torch.zeros(len(model.moe_layers()), cfg.n_experts, device=device)
-    steps = [0]
     rows, chunk = run.layout.data_rank(rank)  # with --cp, a group's ranks take chunks of the same rows
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, rows, run.layout.dp, tc.seed)
     columns = slice(chunk * tc.seq_len // tc.cp, (chunk + 1) * tc.seq_len // tc.cp)
-    batch = tuple(t[:, columns] for t in batch)
+    step = stepper(run, model, optimizer, tuple(t[:, columns] for t in batch))
     twin = meta_model(cfg)
     n = twin.num_params()
     flops_per_token = twin.flops_per_token(tc.seq_len)
-    say(f"bench: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, "
-        f"{n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), {flops_per_token / 1e6:.1f} MFLOP/token; "
-        f"seq {tc.seq_len}, global batch {tc.global_batch}, micro-batch {tc.micro_batch}, ac={tc.ac}, "
-        f"compile={tc.compile}, {run.dtype or torch.float32} on {world} x {device.type}"
-        + (f", blocks' matmuls in {tc.precision} (torchao{', emulated' if device.type == 'cpu' else ''}; MFU "
-           f"against the bf16 peak)" if tc.precision != "bf16" else ""))
+    low = f"; blocks' matmuls in {tc.precision} (MFU of the bf16 peak)" if tc.precision != "bf16" else ""
+    say(f"bench: {describe(run)} x {world}; {n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token; {tc.global_batch} x {tc.seq_len} tokens, micro-batch "
+        f"{tc.micro_batch}, ac={tc.ac}, compile={tc.compile}{low}")
     say(run.layout.describe(cfg.n_experts))
-
-    def step() -> dict:
-        return train_step(model, optimizer, batch, run.tc, run.autocast, momentum_LE, steps)
-
-    # The first steps from the seeded initialisation: the trajectory --compare checks (they warm up as well).
+    # The first steps from the seeded initialisation, which --compare checks (they warm up too).
     trajectory = record_trajectory(step, model, run.dtype) if args.save or args.compare else None
     for _ in range(args.warmup):
         step()
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    ms = [timed_ms(step, device) for _ in range(args.iters)]
     result = {"command": "step", "preset": tc.preset, "world": world, "device": device_name(device),
               "params": n["total"], "active_params": n["active"], "flops_per_token": flops_per_token,
-              "tokens_per_step": tc.global_batch * tc.seq_len, **spread(ms)}
+              "tokens_per_step": tc.global_batch * tc.seq_len}
+    result |= spread([timed_ms(step, device) for _ in range(args.iters)])
     say(f"step: median {result['ms_median']:.1f} ms (min {result['ms_min']:.1f}, p25 {result['ms_p25']:.1f}, p75 "
-        f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps after {args.warmup} warm-up")
+        f"{result['ms_p75']:.1f}, max {result['ms_max']:.1f}) over {args.iters} steps")
     tok_s = result["tokens_per_step"] / (result["ms_median"] / 1e3)
     peak = parallel.peak_tflops(device)
     tflops = flops_per_token * tok_s / world / 1e12
+    # CUDA: the allocator's peak since the reset; CPU: the process's peak resident set (Linux: KiB)
+    mem = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result.update(tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / world, tflops_per_device=tflops,
-                  mfu=tflops / peak if peak else None, peak_tflops=peak,
-                  # CUDA: the allocator's peak since the reset; CPU: the process's peak resident set (Linux: KiB)
-                  peak_mem_gib=max_over_ranks(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
-                                              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
-                  peak_mem_kind="CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS")
+                  mfu=tflops / peak if peak else None, peak_tflops=peak, peak_mem_gib=max_over_ranks(mem) / 2**30,
+                  peak_mem_kind="CUDA max_memory_allocated" if cuda else "process peak RSS")
     mfu = "n/a" if peak is None else f"{100 * result['mfu']:.1f}% of {peak:g} TFLOP/s"
-    say(f"throughput: {tok_s:,.0f} tokens/s in total, {tok_s / world:,.0f} per device; {tflops:.3f} TFLOP/s per "
-        f"device; MFU {mfu}")
+    say(f"throughput: {tok_s:,.0f} tokens/s, {tok_s / world:,.0f} per device; {tflops:.3f} TFLOP/s per device; "
+        f"MFU {mfu}")
     say(f"peak memory: {result['peak_mem_gib']:.2f} GiB per device ({result['peak_mem_kind']}, max over ranks)")
-    if args.breakdown:  # the median of up to five profiled steps
+    if args.breakdown:
         runs = [profile(step, device, model_targets(model, blocks=not tc.compile)) for _ in range(min(5, args.iters))]
         table, kernels, wall, phases = median_profile(runs)
-        say(f"phases (the median of {len(runs)} profiled training steps: profiler self time per op in train_step's "
-            f"ranges, backward ops wherever autograd runs them, FSDP's collectives inside forward and backward):")
+        what = f"the median of {len(runs)} profiled steps" + (", compiled blocks not split" if tc.compile else "")
+        say(f"phases ({what}; FSDP's collectives in forward and backward):")
         for label, v in phases.items():
             say(f"  {label:34s} {v:9.2f} ms {100 * v / sum(phases.values()):5.1f}%")
-        print_components(table, wall, f"the median of {len(runs)} profiled training steps"
-                         + (", the compiled blocks not split" if tc.compile else ""))
+        print_components(table, wall, what)
         result.update(phases_ms=phases, components_ms=table, kernels=kernels, step_kernels=merged(kernels))
     result.update(config=config, environment=environment(device))
     if trajectory:
@@ -353,7 +354,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if args.save and rank == 0:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1)
-        say(f"saved this run as a baseline: {args.save} (compare a later run with --compare={args.save})")
+        say(f"saved the baseline {args.save}; compare a later run with --compare={args.save}")
     if baseline is not None:
         verdict = compare(baseline, result, args.tolerance)
         numerics = compare_numerics(baseline.get("trajectory"), trajectory, args.numerics_tolerance)
@@ -364,7 +365,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     return {k: v for k, v in result.items() if k not in ("kernels", "step_kernels")}  # too long for --json
 
 
-# --- bench.py --save / --compare: a guard for upgrades (a new torch can move a matmul to a slower kernel silently)
+# --- bench.py --save / --compare: a guard for upgrades (a new torch can silently pick a slower kernel)
 
 STEP_FIELDS = ("seq_len", "doc_mask", "global_batch", "micro_batch", "dtype", "ac", "compile", "dp_replicate", "ep",
                "optimizer", "grad_clip", "balance")  # the train.py flags that change the step's work
@@ -378,7 +379,7 @@ def step_config(tc: train.TrainConfig, cfg, world: int, clock_name: str) -> dict
 
 
 def environment(device: torch.device) -> dict:
-    """What decides which kernels a step runs: library versions, the device and the backend switches."""
+    """What picks a step's kernels: library versions, the device, the backend switches."""
     b = torch.backends
     kernel_libraries = ("triton", "pytorch-triton", "nvidia-cublas", "nvidia-cudnn", "nvidia-nccl")
     env = {"torch": torch.__version__, "device": device_name(device),
@@ -416,13 +417,13 @@ def load_baseline(path: str, config: dict) -> dict:
         raise ValueError(f"--compare={path} is not a baseline written by bench.py --save.")
     moved = differences(old["config"], config)
     if moved:
-        raise ValueError(f"the baseline was measured on another configuration ({', '.join(moved)}); run with the "
-                         f"baseline's flags, or --save a new baseline.")
+        raise ValueError(f"the baseline was measured with other flags ({', '.join(moved)}); use its flags or --save "
+                         f"a new baseline.")
     return old
 
 
 def kernel_changes(old: dict, new: dict, min_ms: float) -> dict:
-    """The three largest kernels ({name: [calls, ms]}) that appeared, disappeared, or changed calls or by min_ms."""
+    """The three largest kernels {name: [calls, ms]} that appeared, went, or changed calls or by min_ms."""
     def largest(kernels: dict, size) -> dict:
         return dict(sorted(kernels.items(), key=lambda kv: -size(kv[1]))[:3])
 
@@ -442,8 +443,8 @@ def describe_kernels(changes: dict) -> str:
 
 
 def compare(old: dict, new: dict, tolerance: float) -> dict:
-    """The verdict on step result `new` against the baseline `old`: exit 1 when the step is slower beyond both the
-    noise band (half of each run's interquartile range, added) and `tolerance`; a component that moved so is named."""
+    """`new` against the baseline `old`: exit 1 when slower beyond both the noise band (half of each interquartile
+    range, added) and `tolerance`; each component that moved so is named with its kernels."""
     change = (new["ms_median"] - old["ms_median"]) / old["ms_median"]
     band = (old["ms_p75"] - old["ms_p25"] + new["ms_p75"] - new["ms_p25"]) / 2 / old["ms_median"]
     limit = max(band, tolerance)
@@ -483,15 +484,15 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
             "components": moved, "step_kernels": step_kernels, "environment": env, "lines": lines}
 
 
-# The numbers too: a new torch, CUDA or kernel can compute differently. The first steps from the seeded initialisation
-# on the fixed batch are deterministic up to rounding: --save records them.
+# A new torch, CUDA or kernel can also compute differently. The first steps from the seeded initialisation on the
+# fixed batch are deterministic up to rounding: --save records them.
 
 NUMERICS_STEPS = 3
 NUMERICS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative: far above fp32 rounding; bf16 keeps 8 bits
 
 
 def layer_weights(model) -> dict:
-    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., head), the same on all ranks."""
+    """{layer: [sum, norm]} of each layer's weights in float64 (embed, layers.0, ..., head), on all ranks."""
     sums = defaultdict(lambda: [0.0, 0.0])
     for name, p in model.named_parameters():
         parts = name.split(".")
@@ -503,7 +504,7 @@ def layer_weights(model) -> dict:
 
 
 def record_trajectory(step, model, dtype: torch.dtype | None) -> dict:
-    """The layers' weights, then each of NUMERICS_STEPS `step`s' loss, gradient norm and layers after; the dtype."""
+    """The layers' weights, then each of NUMERICS_STEPS steps' loss, gradient norm and layers after it."""
     initial = layer_weights(model)
     steps = []
     for _ in range(NUMERICS_STEPS):
@@ -519,14 +520,12 @@ def relative(change: float, scale: float) -> float:
 
 
 def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
-    """The first step (0: the initial weights) where trajectory `new` moved from the baseline's `old` beyond `tolerance`
-    (0: the dtype's NUMERICS_TOLERANCE), relative (a layer's sum and norm: to its norm; rounding moves them ~1e-7 in
-    fp32, a changed norm epsilon or attention precision 1e-4 and more), and its values that moved (None: none)."""
+    """The first step (0: the initial weights) where `new` moved from `old` beyond `tolerance` (0: the dtype's),
+    relative to the layer's norm: rounding moves fp32 ~1e-7, a changed norm epsilon 1e-4 and more."""
     tolerance = tolerance or NUMERICS_TOLERANCE[new["dtype"]]
     verdict = {"moved": None, "tolerance": tolerance}
     if not old:
-        return verdict | {"lines": ["numerics: the baseline has no trajectory (saved by an older bench.py); not "
-                                    "compared"]}
+        return verdict | {"lines": ["numerics: the baseline has no trajectory (an older bench.py); not compared"]}
     for i, (a, b) in enumerate(zip([{"layers": old["initial"]}] + old["steps"],
                                    [{"layers": new["initial"]}] + new["steps"])):
         changes = {key: relative(abs(b[key] - a[key]), abs(a[key])) for key in ("loss", "grad_norm") if key in a}
@@ -554,93 +553,57 @@ def compare_numerics(old: dict | None, new: dict, tolerance: float) -> dict:
 # --- bench.py moe: one MoE layer, three ways
 
 def init_(module: nn.Module, std: float) -> nn.Module:
-    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does (nn.init draws without autograd)."""
+    """Truncated normal on [-3σ, 3σ], as Transformer.init_weights does."""
     for p in module.parameters():
         nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
     return module
-
-
-def fwd_bwd(module, x_BTD, dy_BTD, autocast):
-    """One forward and backward of a layer, the way training runs it: the MoE's balance losses join the loss."""
-    x_BTD = x_BTD.detach().requires_grad_()
-    with autocast:
-        y_BTD, (_, aux_loss, z_loss) = module(x_BTD) if isinstance(module, MoE) else (module(x_BTD), (None, 0, 0))
-        loss = (y_BTD.float() * dy_BTD).sum() + aux_loss + z_loss
-    loss.backward()
-    return y_BTD.detach(), x_BTD.grad
-
-
-def moe_report(result: dict, times: dict, flops: float, world: int):
-    """Add and print the medians, GFLOP/s and the ratios to the dense layer at the MoE's active FLOPs."""
-    active = result["active_hidden"]
-    dense = result["dense_hidden"]
-    for name in times:
-        result[f"{name}_ms"] = max_over_ranks(statistics.median(times[name]))
-        result[f"{name}_ms_min"] = min(times[name])
-    dense_ms_per_active = result["dense_ms"] * active / dense  # the dense time at the MoE's FLOPs
-    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
-    for name in [name for name in times if name != "ep"]:
-        done = flops * (dense / active if name == "dense" else 1)  # the dense one does a bit more
-        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
-            f"{done / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
-    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
-    if "loop" in times:
-        result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
-        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
-            f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
-    if "ep" in times:
-        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local on "
-            f"the same tokens: dispatch overhead {result['ep_overhead']:.2f}x (max over ranks; outputs agree to "
-            f"{result['ep_vs_local_max_diff']:.1e})")
 
 
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     cfg = model_config(tc, overrides)
     run = train.make_run(dataclasses.replace(tc, dp_replicate=1, ep=1), cfg, 0, 1, device)
-    autocast, dtype = run.autocast, run.dtype
     N = args.tokens
-    T = min(tc.seq_len, args.tokens)
+    T = min(tc.seq_len, N)
     if N % T:
         raise ValueError(f"--tokens={N} is not a multiple of --seq_len={T}; the balance loss works per sequence.")
-    D = cfg.dim
-    E = cfg.n_experts
-    K = cfg.top_k
-    I = cfg.expert_hidden
-    shared_hidden = I * cfg.n_shared_experts
     torch.manual_seed(tc.seed)
     if device.type == "cpu":
         with torch.device("meta"):
             parallel.check_host_memory(MoE(cfg), copies=2, what="one MoE layer's weights and their gradients")
     moe = init_(MoE(cfg).to(device), cfg.init_std)
-    # The dense SwiGLU does the MoE layer's active matmul FLOPs (k routed experts, the shared one, the router's D x E
+    # The dense SwiGLU does the MoE layer's active matmul FLOPs (k routed experts, the shared ones, the router's D x E
     # as E/3 hidden units), rounded up to a multiple of 128 wide for full-speed bf16 GEMMs; the ratios are per FLOP.
-    active_hidden = K * I + shared_hidden + E / 3
+    active_hidden = (cfg.top_k + cfg.n_shared_experts) * cfg.expert_hidden + cfg.n_experts / 3
     dense_hidden = 128 * math.ceil(active_hidden / 128)
-    dense = init_(FeedForward(D, dense_hidden).to(device), cfg.init_std)
+    dense = init_(FeedForward(cfg.dim, dense_hidden).to(device), cfg.init_std)
     torch.manual_seed(tc.seed + 1 + rank)  # each rank its own tokens (the expert-parallel path mixes them)
-    x_BTD = torch.randn(N // T, T, D, device=device)
-    dy_BTD = torch.randn(N // T, T, D, device=device)
-    say(f"moe: {tc.preset} shapes d_model {D}, {E} experts top-{K}, expert hidden {I}, shared hidden {shared_hidden}; "
-        f"{N} tokens ({N // T} x {T}); {dtype or torch.float32} on {device_name(device)}; the same active FLOPs as a "
-        f"dense SwiGLU of hidden {active_hidden:.0f} (router {100 * E / (3 * active_hidden):.0f}% of them); the dense "
-        f"comparator is {dense_hidden} wide")
-    why_not = grouped_mm_supported(x_BTD.to(dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
+    x_BTD = torch.randn(N // T, T, cfg.dim, device=device)
+    dy_BTD = torch.randn(N // T, T, cfg.dim, device=device)
+    router = 100 * cfg.n_experts / 3 / active_hidden
+    say(f"moe: {describe(run)}; {cfg.n_shared_experts} shared experts; {N} tokens ({N // T} x {T}); dense layer "
+        f"{dense_hidden} wide for {active_hidden:.0f} active (the router {router:.0f}%)")
+    why_not = grouped_mm_supported(x_BTD.to(run.dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
     if why_not:
         raise ValueError(f"the grouped GEMM path cannot run here: {why_not}.")
     layers = {"grouped": moe, "loop": moe, "dense": dense}
 
-    def variant(impl):
-        def run():
-            if impl in ("grouped", "loop"):
-                moe.experts.impl = impl
-            layers[impl].zero_grad(set_to_none=True)
-            return fwd_bwd(layers[impl], x_BTD, dy_BTD, autocast)
-        return run
+    def variant(name):
+        def fwd_bwd():  # as training runs the layer: the MoE's balance losses join the loss
+            layer = layers[name]
+            if name in ("grouped", "loop"):
+                moe.experts.impl = name
+            layer.zero_grad(set_to_none=True)
+            x = x_BTD.detach().requires_grad_()
+            with run.autocast:
+                y_BTD, (_, aux_loss, z_loss) = layer(x) if isinstance(layer, MoE) else (layer(x), (None, 0, 0))
+                loss = (y_BTD.float() * dy_BTD).sum() + aux_loss + z_loss
+            loss.backward()
+            return y_BTD.detach(), x.grad
+        return fwd_bwd
 
-    def outputs(impl) -> list:  # the output, the input's gradient and the experts' weight gradients
-        return [*variant(impl)(), *(p.grad.clone() for p in moe.experts.parameters())]
+    def outputs(name) -> list:  # the output, the input's gradient and the experts' weight gradients
+        return [*variant(name)(), *(p.grad.clone() for p in moe.experts.parameters())]
 
     result = {"command": "moe", "preset": tc.preset, "tokens": N, "device": device_name(device),
               "active_hidden": active_hidden, "dense_hidden": dense_hidden}
@@ -654,19 +617,34 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     if world > 1:  # expert parallel over all ranks, on the same weights and this rank's tokens
         layout = parallel.Layout(world, 1, world)
         layout.check(cfg, world, 1)
-        ep_moe = MoE(cfg).to(device)
-        ep_moe.load_state_dict(moe.state_dict())
-        ep_moe.experts = parallel.ExpertParallelExperts(ep_moe.experts, parallel.build_mesh(layout, device.type)["ep"])
-        ep_moe.experts.impl = "grouped"
-        layers["ep"] = ep_moe
+        ep = layers["ep"] = MoE(cfg).to(device)
+        ep.load_state_dict(moe.state_dict())
+        ep.experts = parallel.ExpertParallelExperts(ep.experts, parallel.build_mesh(layout, device.type)["ep"])
+        ep.experts.impl = "grouped"
         result["ep_vs_local_max_diff"] = max_over_ranks((variant("ep")()[0] - grouped[0]).abs().max().item())
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
-    moe_report(result, times, 6 * N * D * 3 * active_hidden, world)  # fwd + bwd of the active matmuls
+    record_times(result, times)
+    dense_ms_per_active = result["dense_ms"] * active_hidden / dense_hidden  # the dense time at the MoE's FLOPs
+    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
+    for name in [name for name in times if name != "ep"]:
+        flops = 6 * N * cfg.dim * 3 * (dense_hidden if name == "dense" else active_hidden)  # fwd + bwd of the matmuls
+        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
+            f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
+    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
+    if "loop" in times:
+        result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
+        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
+            f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
+    if "ep" in times:
+        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
+        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local, "
+            f"{result['ep_overhead']:.2f}x (max over ranks); outputs agree to {result['ep_vs_local_max_diff']:.1e}")
     if args.breakdown:
-        table, ops, wall, _ = profile(variant("grouped"), device, moe_targets(moe), steps=max(1, args.iters // 2))
+        runs = [profile(variant("grouped"), device, moe_targets(moe)) for _ in range(max(1, args.iters // 2))]
+        table, kernels, wall, _ = median_profile(runs)
         result["components_ms"] = table
-        print_components(table, wall, "the grouped MoE layer")
-        top = sorted(merged(ops).items(), key=lambda kv: -kv[1][1])[:10]
+        print_components(table, wall, f"the grouped MoE layer, the median of {len(runs)} runs")
+        top = sorted(merged(kernels).items(), key=lambda kv: -kv[1][1])[:10]
         result["top_ops_ms"] = {name: ms for name, (_, ms) in top}
         say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, (_, ms) in top))
     return result
@@ -691,19 +669,17 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     hf.load_state_dict(checkpoint.to_hf_state_dict(ours.state_dict()), strict=True)
     # The same optimizer for both: fused AdamW, also transformers' Trainer default (adamw_torch_fused).
     opt_hf = parallel.build_optimizer(hf, tc)
-    momentum_LE = torch.zeros(len(ours.moe_layers()), cfg.n_experts, device=device)
-    steps = [0]
     batch = synthetic_batch(cfg.vocab_size, tc.global_batch, tc.seq_len, 0, 1, tc.seed)
     n_micro = tc.global_batch // tc.micro_batch
-    hf_impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))
-    print(f"vs-hf: {tc.preset} {cfg.dim}d x {cfg.n_layers} layers, {cfg.n_experts} experts top-{cfg.top_k}, expert "
-          f"hidden {cfg.expert_hidden}, vocab {cfg.vocab_size}; {tc.global_batch} x {tc.seq_len} tokens per step in "
-          f"{n_micro} micro-batch(es); {run.dtype or torch.float32} on {device_name(device)}; transformers "
-          f"{transformers.__version__} with attention={hf_impl[0]}, experts={hf_impl[1]}")
+    attention = hf.config._attn_implementation
+    experts = getattr(hf.config, "_experts_implementation", None)
+    say(f"vs-hf: {describe(run)}; {tc.global_batch} x {tc.seq_len} tokens in {n_micro} micro-batch(es); "
+        f"transformers {transformers.__version__} with attention={attention}, experts={experts}")
+    step = stepper(run, ours, opt_ours, batch)
     losses = {}
 
     def step_ours():
-        losses["ours"] = train_step(ours, opt_ours, batch, run.tc, run.autocast, momentum_LE, steps)["lm_loss"]
+        losses["ours"] = step()["lm_loss"]
 
     def step_hf():  # the same work: micro-batches, clipping, AdamW; no balance losses or bias update (HF has none)
         tokens_BT, targets_BT, _ = (t.to(device) for t in batch)
@@ -722,31 +698,30 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     step_ours()
     step_hf()
     first_diff = abs(losses["ours"] - losses["hf"])
-    times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters, flip=True)
-    result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": hf_impl[0],
-              "hf_experts": hf_impl[1], "tokens_per_step": tc.global_batch * tc.seq_len, "first_loss_diff": first_diff}
-    for name, shown in (("ours", "ours"), ("hf", "transformers")):
-        result[f"{name}_ms"] = statistics.median(times[name])
-        result[f"{name}_ms_min"] = min(times[name])
-        print(f"  {shown:12s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
+    times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters)
+    result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": attention,
+              "hf_experts": experts, "tokens_per_step": tc.global_batch * tc.seq_len, "first_loss_diff": first_diff}
+    record_times(result, times)
+    for name in times:
+        say(f"  {name:4s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
     result["speedup"] = result["hf_ms"] / result["ours_ms"]
     # Each iteration times the two back to back: their ratio shares whatever else the machine was doing.
     result["speedup_paired"] = statistics.median(hf / ours for hf, ours in zip(times["hf"], times["ours"]))
-    print(f"speedup (transformers / ours): {result['speedup']:.2f}x on the medians, {result['speedup_paired']:.2f}x "
-          f"the median of the {len(times['hf'])} back-to-back pairs; first-step LM losses agree to {first_diff:.1e}")
+    say(f"speedup (hf / ours): {result['speedup']:.2f}x of the medians, {result['speedup_paired']:.2f}x the median "
+        f"of {len(times['hf'])} back-to-back pairs; first-step LM losses agree to {first_diff:.1e}")
     return result
 
 
 # --- bench.py data: data.py's prepare against its tokenizer library's own batch encoder
 
 def bench_data(args) -> dict:
-    """data.prepare's tokens/s on JSONL against the library's batch encoder's in memory, per --workers and per core."""
+    """data.prepare's tokens/s on JSONL vs the library's batch encoder's in memory, per --workers and per core."""
     import tempfile
 
     import data
     enc = data.get_encoding(args.tokenizer)
     hf = isinstance(enc, data.HFTokenizer)
-    if hf:  # sizes tokenizers' thread pool, before its first use
+    if hf:  # tokenizers' thread pool, sized before its first use
         os.environ["RAYON_NUM_THREADS"] = str(max(args.workers))
     docs = []
     chars = 0
@@ -757,7 +732,7 @@ def bench_data(args) -> dict:
         if chars >= args.mb * 1e6:
             break
 
-    def cpu_s() -> float:  # user and system seconds of this process and its finished children (prepare's workers)
+    def cpu_s() -> float:  # user and system seconds of this process and its finished children (the workers)
         usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return sum(u.ru_utime + u.ru_stime for u in usage)
 
@@ -787,59 +762,17 @@ def bench_data(args) -> dict:
                 row |= {f"{who}_tokens_per_s": tokens / best_wall, f"{who}_tokens_per_cpu_s": tokens / best_cpu}
             rows.append(row)
     print(f"data: {tokens:,} {enc.name.removesuffix('_offline')} tokens of standard-library source ({chars / 1e6:.1f} "
-          f"MB, {len(docs):,} documents of up to {args.doc_chars} characters) on {os.cpu_count()} CPU cores; per "
-          f"core: tokens per CPU-second of all processes and threads")
-    print(f"{'workers':>7} | {'prepare tok/s':>13} | {'per core':>8} | {library + ' tok/s':>36} | {'per core':>8} | "
-          f"per-core ratio")
+          f"MB, {len(docs):,} documents) on {os.cpu_count()} cores; per core: tokens per CPU-second of all processes")
     for r in rows:
-        print(f"{r['workers']:>7} | {r['prepare_tokens_per_s'] / 1e6:12.2f}M | "
-              f"{r['prepare_tokens_per_cpu_s'] / 1e6:7.2f}M | {r['library_tokens_per_s'] / 1e6:35.2f}M | "
-              f"{r['library_tokens_per_cpu_s'] / 1e6:7.2f}M | {r['per_core_ratio']:.3f}")
-    # the same text: prepare's tokens but for the end-of-text closing each document are the library's
+        print(f"  {r['workers']} workers: prepare {r['prepare_tokens_per_s'] / 1e6:.2f}M tok/s, "
+              f"{r['prepare_tokens_per_cpu_s'] / 1e6:.2f}M per core; {library} {r['library_tokens_per_s'] / 1e6:.2f}M, "
+              f"{r['library_tokens_per_cpu_s'] / 1e6:.2f}M per core; per-core ratio {r['per_core_ratio']:.3f}")
+    # the same text: prepare's tokens less each document's closing end-of-text are the library's
     return {"command": "data", "tokenizer": args.tokenizer, "library": library, "tokens": tokens,
             "prepare_tokens": manifest["tokens"]["train"] - manifest["documents"]["train"], "rows": rows}
 
 
 # --- Command line
-
-def _command_parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
-    """The parser of a command's own flags, and the train.py flags it defaults to."""
-    description = COMMANDS.get(command, f"Time train.py's training step on synthetic tokens. Other commands: "
-                                        f"{', '.join(COMMANDS)} (bench.py COMMAND --help).")
-    parser = Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
-                           allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           epilog="Also takes every train.py flag (python train.py --help): --preset, model overrides "
-                                  "such as --dim=512, and the layout, batch and precision flags.")
-    add = parser.add_argument
-    switch = functools.partial(add, type=parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
-    add("--json", action="store_true", help="print the result as one JSON object on the last line")
-    if command == "data":
-        add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a Hugging Face tokenizer folder")
-        add("--workers", type=POSITIVE.parse(int), nargs="+", default=[1, 2], help="worker (and encoder thread) counts")
-        add("--mb", type=above(0).parse(float), default=16, help="megabytes of the standard library's source, repeated")
-        add("--doc_chars", type=POSITIVE.parse(int), default=4096, help="a document's most characters (paragraphs)")
-        add("--repeat", type=POSITIVE.parse(int), default=3, help="runs of each, alternated; the best counts")
-        return parser, []
-    warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
-    add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
-    add("--iters", type=POSITIVE.parse(int), default=iters, help="timed steps")
-    add("--threads", type=at_least(0).parse(int), default=0, help="torch's CPU threads (0: its default; 1: steadier)")
-    add("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time (CPU only, steadier)")
-    if command == "step":
-        add("--save", default="", metavar="PATH", help="write this run's times, kernels and numbers as a baseline")
-        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags; exit 1: "
-            "slower, 3: the numbers moved, 4: both")
-        add("--tolerance", type=at_least(0).parse(float), default=0.05,
-            help="with --compare: the step slowdown (a fraction) accepted when the noise is smaller")
-        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0, help=f"with --compare: the relative "
-            f"change of the first {NUMERICS_STEPS} steps' numbers that counts as moved (0: 1e-4 in fp32, 1e-2 in bf16)")
-    if command == "moe":
-        add("--tokens", type=POSITIVE.parse(int), default=2048, help="tokens through the layer (seq_len per row)")
-        switch("--loop", help="also time the per-expert loop (--loop=false: skip it, slow at large shapes)")
-    if command in ("step", "moe"):
-        switch("--breakdown", help="also time the phases and profile the components (--breakdown=false: skip)")
-    return parser, {"vs-hf": ["--global_batch=4", "--micro_batch=4"]}.get(command, [])
-
 
 def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig, dict]:
     """(command, bench flags, TrainConfig, model overrides) from the command line."""
@@ -848,14 +781,41 @@ def parse(argv: list[str]) -> tuple[str, argparse.Namespace, train.TrainConfig, 
         argv = argv[1:]
         if command not in COMMANDS:
             close = suggest(command, COMMANDS)
-            raise SystemExit(f"bench.py: error: unknown command {command!r}"
-                             f"{f'; did you mean {close}?' if close else ''} (commands: {', '.join(COMMANDS)}, "
-                             f"or none for the training step)")
-    parser, train_defaults = _command_parser(command)
+            hint = f"; did you mean {close}?" if close else ""
+            raise SystemExit(f"bench.py: error: unknown command {command!r}{hint} (commands: {', '.join(COMMANDS)})")
+    description = COMMANDS.get(command, f"Time train.py's step. Other commands: {', '.join(COMMANDS)} (--help).")
+    parser = Parser(prog=f"bench.py {command if command != 'step' else ''}".rstrip(), description=description,
+                    allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    epilog="Also takes every train.py flag (python train.py --help).")
+    add = parser.add_argument
+    switch = functools.partial(add, type=parse_bool, nargs="?", const=True, default=True)  # --flag[=false]
+    count = at_least(1).parse(int)
+    add("--json", action="store_true", help="print the result as one JSON object on the last line")
     if command == "data":
+        add("--tokenizer", default="cl100k_base", help="a tiktoken encoding or a tokenizer folder")
+        add("--workers", type=count, nargs="+", default=[1, 2], help="worker (and encoder thread) counts")
+        add("--mb", type=above(0).parse(float), default=16, help="megabytes of the standard library's source")
+        add("--doc_chars", type=count, default=4096, help="a document's most characters")
+        add("--repeat", type=count, default=3, help="runs of each, alternated; the best counts")
         return command, parser.parse_args(argv), None, {}
+    warmup, iters = {"step": (2, 5), "moe": (1, 5), "vs-hf": (1, 9)}[command]
+    add("--warmup", type=at_least(0).parse(int), default=warmup, help="untimed steps first")
+    add("--iters", type=count, default=iters, help="timed steps")
+    add("--threads", type=at_least(0).parse(int), default=0, help="torch's CPU threads (0: its default; 1: steadier)")
+    add("--clock", choices=CLOCKS, default="wall", help="wall time, or the process's CPU time (CPU only, steadier)")
+    if command == "step":
+        add("--save", default="", metavar="PATH", help="write this run's times, kernels and numbers as a baseline")
+        add("--compare", default="", metavar="PATH", help="compare with a --save baseline of the same flags")
+        add("--tolerance", type=at_least(0).parse(float), default=0.05, help="the slowdown (a fraction) accepted")
+        add("--numerics_tolerance", type=at_least(0).parse(float), default=0.0,
+            help="the relative change of the first steps' numbers accepted (0: 1e-4 fp32, 1e-2 bf16)")
+    if command == "moe":
+        add("--tokens", type=count, default=2048, help="tokens through the layer, seq_len per row")
+        switch("--loop", help="also time the per-expert loop (slow at large shapes)")
+    if command in ("step", "moe"):
+        switch("--breakdown", help="also time the phases and profile the components")
     args, rest = train.parse_tool_args(parser, argv)
-    tc, overrides = train.parse_args(train_defaults + rest)
+    tc, overrides = train.parse_args((["--global_batch=4", "--micro_batch=4"] if command == "vs-hf" else []) + rest)
     return command, args, tc, overrides
 
 
@@ -864,10 +824,10 @@ def main(argv: list[str] | None = None) -> int:
     command, args, tc, overrides = parse(sys.argv[1:] if argv is None else argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(getattr(args, "threads", 0) or threads)
-    clock = CLOCKS[getattr(args, "clock", "wall")]  # bench.py data has neither: it times whole processes
+    clock = CLOCKS[getattr(args, "clock", "wall")]  # bench.py data times whole processes
     try:
         if clock is not CLOCKS["wall"] and parallel.use_cuda():
-            raise ValueError("--clock=cpu measures CPU work; on a GPU use the default --clock=wall.")
+            raise ValueError("--clock=cpu measures CPU work; on a GPU use --clock=wall.")
         run = {"step": bench_step, "moe": bench_moe, "vs-hf": bench_vs_hf}
         result = bench_data(args) if command == "data" else run[command](args, tc, overrides)
     except (ValueError, FileNotFoundError) as e:
