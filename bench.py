@@ -92,11 +92,13 @@ def spread(ms: list[float]) -> dict:
             "iters": len(ms)}
 
 
-def record_times(result: dict, times: dict):
-    """Each function's median ms (the slowest rank's) and its minimum."""
+def record_times(result: dict, times: dict, flops: dict):
+    """Each function's median ms (the slowest rank's) and minimum, shown with its GFLOP/s where `flops` has it."""
     for name, ms in times.items():
-        result[f"{name}_ms"] = max_over_ranks(statistics.median(ms))
+        median = result[f"{name}_ms"] = max_over_ranks(statistics.median(ms))
         result[f"{name}_ms_min"] = min(ms)
+        rate = f" {flops[name] / median / 1e6:8.1f} GFLOP/s" if name in flops else ""
+        say(f"  {name:8s} median {median:9.2f} ms (min {min(ms):.2f}){rate}")
 
 
 def max_over_ranks(value: float) -> float:
@@ -310,7 +312,7 @@ def bench_step(args, tc: train.TrainConfig, overrides: dict) -> dict:
     n = twin.num_params()
     flops_per_token = twin.flops_per_token(tc.seq_len)
     low = f"; blocks' matmuls in {tc.precision} (MFU of the bf16 peak)" if tc.precision != "bf16" else ""
-    say(f"bench: {describe(run)} x {world}; {n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), "
+    say(f"bench: {describe(run)}, {world} rank(s); {n['total'] / 1e6:.1f}M params ({n['active'] / 1e6:.1f}M active), "
         f"{flops_per_token / 1e6:.1f} MFLOP/token; {tc.global_batch} x {tc.seq_len} tokens, micro-batch "
         f"{tc.micro_batch}, ac={tc.ac}, compile={tc.compile}{low}")
     say(run.layout.describe(cfg.n_experts))
@@ -562,7 +564,7 @@ def init_(module: nn.Module, std: float) -> nn.Module:
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     cfg = model_config(tc, overrides)
-    run = train.make_run(dataclasses.replace(tc, dp_replicate=1, ep=1), cfg, 0, 1, device)
+    run = train.make_run(dataclasses.replace(tc, dp_replicate=1, ep=1), cfg, rank, world, device)  # for its dtype
     N = args.tokens
     T = min(tc.seq_len, N)
     if N % T:
@@ -581,8 +583,8 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     x_BTD = torch.randn(N // T, T, cfg.dim, device=device)
     dy_BTD = torch.randn(N // T, T, cfg.dim, device=device)
     router = 100 * cfg.n_experts / 3 / active_hidden
-    say(f"moe: {describe(run)}; {cfg.n_shared_experts} shared experts; {N} tokens ({N // T} x {T}); dense layer "
-        f"{dense_hidden} wide for {active_hidden:.0f} active (the router {router:.0f}%)")
+    say(f"moe: {describe(run)}; shared hidden {cfg.n_shared_experts * cfg.expert_hidden}; {N} tokens ({N // T} x "
+        f"{T}); dense layer {dense_hidden} wide for {active_hidden:.0f} active (the router {router:.0f}%)")
     why_not = grouped_mm_supported(x_BTD.to(run.dtype or x_BTD.dtype), moe.experts.gate_up_proj, moe.experts.down_proj)
     if why_not:
         raise ValueError(f"the grouped GEMM path cannot run here: {why_not}.")
@@ -623,13 +625,10 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
         ep.experts.impl = "grouped"
         result["ep_vs_local_max_diff"] = max_over_ranks((variant("ep")()[0] - grouped[0]).abs().max().item())
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
-    record_times(result, times)
+    flops = 6 * N * cfg.dim * 3 * active_hidden  # forward and backward of the active matmuls
+    record_times(result, times, {"grouped": flops, "loop": flops, "dense": flops * dense_hidden / active_hidden})
     dense_ms_per_active = result["dense_ms"] * active_hidden / dense_hidden  # the dense time at the MoE's FLOPs
     result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
-    for name in [name for name in times if name != "ep"]:
-        flops = 6 * N * cfg.dim * 3 * (dense_hidden if name == "dense" else active_hidden)  # fwd + bwd of the matmuls
-        say(f"  {name:8s} fwd+bwd median {result[f'{name}_ms']:9.2f} ms (min {result[f'{name}_ms_min']:.2f})  "
-            f"{flops / result[f'{name}_ms'] / 1e6:8.1f} GFLOP/s")
     say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
     if "loop" in times:
         result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
@@ -637,13 +636,13 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
             f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
     if "ep" in times:
         result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        say(f"expert parallel over {world} ranks: {result['ep_ms']:.2f} ms vs {result['grouped_ms']:.2f} ms local, "
-            f"{result['ep_overhead']:.2f}x (max over ranks); outputs agree to {result['ep_vs_local_max_diff']:.1e}")
+        say(f"expert parallel over {world} ranks / local: {result['ep_overhead']:.2f}x; outputs agree to "
+            f"{result['ep_vs_local_max_diff']:.1e}")
     if args.breakdown:
         runs = [profile(variant("grouped"), device, moe_targets(moe)) for _ in range(max(1, args.iters // 2))]
         table, kernels, wall, _ = median_profile(runs)
         result["components_ms"] = table
-        print_components(table, wall, f"the grouped MoE layer, the median of {len(runs)} runs")
+        print_components(table, wall, f"the grouped MoE layer, median of {len(runs)}")
         top = sorted(merged(kernels).items(), key=lambda kv: -kv[1][1])[:10]
         result["top_ops_ms"] = {name: ms for name, (_, ms) in top}
         say("  busiest ops (self ms): " + ", ".join(f"{name} {ms:.2f}" for name, (_, ms) in top))
@@ -701,9 +700,7 @@ def bench_vs_hf(args, tc: train.TrainConfig, overrides: dict) -> dict:
     times = alternate({"ours": step_ours, "hf": step_hf}, device, args.warmup, args.iters)
     result = {"command": "vs-hf", "preset": tc.preset, "device": device_name(device), "hf_attention": attention,
               "hf_experts": experts, "tokens_per_step": tc.global_batch * tc.seq_len, "first_loss_diff": first_diff}
-    record_times(result, times)
-    for name in times:
-        say(f"  {name:4s} median {result[f'{name}_ms']:9.1f} ms (min {result[f'{name}_ms_min']:.1f})")
+    record_times(result, times, {})
     result["speedup"] = result["hf_ms"] / result["ours_ms"]
     # Each iteration times the two back to back: their ratio shares whatever else the machine was doing.
     result["speedup_paired"] = statistics.median(hf / ours for hf, ours in zip(times["hf"], times["ours"]))
