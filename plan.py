@@ -56,6 +56,7 @@ AG = "FSDP all-gather"
 RS = "FSDP reduce-scatter"
 AR = "HSDP all-reduce across replicas"
 A2A = "EP all-to-all"
+CP_A2A = "CP all-to-all"
 MUON_A2A = "Muon all-to-all"
 NS = "optimizer Newton-Schulz"
 OPT_HBM = "optimizer memory passes"
@@ -65,10 +66,13 @@ ADAMW_BYTES = 28
 # the update (read param, the orthogonalised u; write param): 11 x 4 (bf16 casts and Newton-Schulz's norm not counted).
 MUON_BYTES = 44
 # The train.py flags of a layout (with --keep_gathered): the search varies them and its commands state them.
-LAYOUT_FLAGS = ("dp_replicate", "ep", "micro_batch", "ac")
+LAYOUT_FLAGS = ("dp_replicate", "ep", "cp", "micro_batch", "ac")
+# The search tries --cp>1 from this --seq_len on (or when the GPUs cannot each read whole rows): below it a row's
+# activations fit and attention is a small share of the FLOPs, so splitting rows only adds all-to-alls.
+CP_FROM = 32768
 
 
-def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -> dict:
+def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1, cp: int = 1) -> dict:
     """{AC mode: {"saved": bytes kept for backward, "peak": plus the largest transient (the head's chunk at the loss,
     or a block AC re-materialises)}} of one micro-batch; c bytes per element, flash attention, balanced routing.
     Selective AC keeps block inputs and matmul, attention, all-to-all outputs (parallel.py's selective policy)."""
@@ -86,6 +90,12 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
     # log-sum-exp, the output reshaped, sigmoid(gate) and their product (o_proj's input).
     attn = c * D + c * (Hd + Gd) + 4 * (H + G) + c * (Hd + 2 * Gd) + c * Hd + 4 * H + 3 * c * Hd
     attn_sel = c * (2 * Hd + 2 * Gd) + c * Hd + 4 * H + c * D
+    # With cp, attention runs on all of a row's tokens for 1/cp of the heads: as many elements as this rank's tokens
+    # of every head, so the counts per token hold for its seq/cp tokens. The output the all-to-all returns is one
+    # more copy; selective AC also keeps the all-to-alls' outputs (q, k, v and the output).
+    if cp > 1:
+        attn += c * Hd
+        attn_sel += c * (2 * Hd + 2 * Gd)
     # Router: its fp32 input (c = 4: the FFN input), fp32 logits and scores. Per routed pair: the gathered input,
     # gate_up output (2I), silu output, product, product x gate, fp32 gate, two int64 indices. A SwiGLU: 4c per unit.
     experts = (4 * D if c == 2 else 0) + 8 * E + K * (c * (D + 5 * I) + 20) + 4 * c * Is
@@ -95,7 +105,7 @@ def activation_bytes(cfg, seq: int, micro_batch: int, c: int = 2, ep: int = 1) -
                   for i in range(cfg.n_layers)]
     sel_layer = [c * D + attn_sel + (experts_sel if cfg.is_moe(i) else c * (2 * cfg.dense_hidden + D))
                  for i in range(cfg.n_layers)]
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq // cp
     head = (c * D + 4) + c * D  # the final norm, and the head input's gradient the fused loss makes in forward
     # At the loss: a chunk of R rows of fp32 logits; in bf16 instead its bf16 logits, the gradient of a group of Rg
     # rows, the weight's bf16 copy and the group's product for the weight gradient.
@@ -179,7 +189,7 @@ class Links:
     hbm: float = 8e12
 
     def span(self, stride: int, size: int) -> tuple[int, int]:
-        """(ranks per node, nodes) of `size` ranks `stride` apart (build_mesh's order: [dp_replicate, efsdp, ep])."""
+        """(ranks per node, nodes) of `size` ranks `stride` apart in build_mesh's order."""
         nodes = len({i * stride // self.per_node for i in range(size)})
         return size // nodes, nodes
 
@@ -192,7 +202,7 @@ class Links:
 
     def seconds(self, kind: str, nbytes: float, group: tuple[int, int]) -> float:
         """One collective (an all-reduce: a reduce-scatter, then an all-gather)."""
-        if kind == A2A:
+        if kind in (A2A, CP_A2A):
             return self.all_to_all_s(nbytes, group)
         return self.ring_s(nbytes, group) * (2 if kind == AR else 1)
 
@@ -207,28 +217,29 @@ def sent_bytes(nbytes: float, group: tuple[int, int], kind: str) -> tuple[float,
     """(bytes a GPU sends, of which over the network) in one collective (an all-reduce: twice a ring's)."""
     k, m = group
     n = k * m
-    if kind == A2A:
+    if kind in (A2A, CP_A2A):
         return nbytes * (n - 1) / n, nbytes * (n - k) / n
     twice = 2 if kind == AR else 1
     return twice * nbytes * (n - 1) / n, twice * nbytes * (m - 1) / n
 
 
 def unit_collectives(cfg, layout: parallel.Layout, links: Links, groups: dict, c: int, tokens: int, full: int,
-                     expert_full: int) -> dict:
+                     expert_full: int, attention: bool) -> dict:
     """One FSDP unit's collectives (kind, buffer bytes, (ranks per node, nodes)) by part of the step, and their
     seconds (part_s); `full`, `expert_full`: its unsharded dense and routed-expert elements."""
     moe = expert_full > 0
     # Each way: tokens out and results back (D wide) and the fp32 gates; forward sends the int64 counts first.
     pairs = tokens * cfg.top_k
     a2a = [pairs * cfg.dim * c, pairs * 4, pairs * cfg.dim * c] if moe and layout.ep > 1 else []
-    sharded = [(full, groups["dp_shard"], layout.dp_shard)]  # (elements, FSDP group, its size)
-    if moe:
-        sharded.append((expert_full, groups["efsdp"], layout.efsdp))
-    comm = {"gather": [(AG, c * n, group) for n, group, _ in sharded],
-            "reduce": [(RS, 4 * n, group) for n, group, _ in sharded],
-            "all_reduce": [(AR, 4 * n // size, groups["dp_replicate"]) for n, _, size in sharded],
+    # CP, each way: q, k, v out to the ranks of their heads and the output back (backward: their gradients).
+    heads = (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads, cfg.n_heads) if attention and layout.cp > 1 else ()
+    sharded = [(full, groups["dp_shard"])] + ([(expert_full, groups["efsdp_cp"])] if moe else [])
+    comm = {"gather": [(AG, c * n, group) for n, group in sharded],
+            "reduce": [(RS, 4 * n, group) for n, group in sharded],
+            "all_reduce": [(AR, 4 * n // math.prod(group), groups["dp_replicate"]) for n, group in sharded],
             "a2a_fwd": [(A2A, b, groups["ep"]) for b in ([8 * cfg.n_experts] if a2a else []) + a2a],
-            "a2a_bwd": [(A2A, b, groups["ep"]) for b in a2a]}
+            "a2a_bwd": [(A2A, b, groups["ep"]) for b in a2a],
+            "cp": [(CP_A2A, c * tokens * h * cfg.head_dim, groups["cp"]) for h in heads]}
     return comm | {f"{part}_s": sum(links.seconds(*one) for one in comm[part]) for part in comm}
 
 
@@ -252,18 +263,17 @@ def muon_deal(hidden: tuple, S: int) -> tuple[list, int, int]:
     return [sum(o) for o in owned], sum(map(max, itertools.zip_longest(*owned, fillvalue=0))), max(map(len, owned))
 
 
-def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Links, group: tuple, c: int) -> dict:
+def muon_work(hidden: tuple, experts: list, S: int, Fs: int, ep: int, links: Links, group: tuple, c: int) -> dict:
     """parallel.Muon on an FSDP group (dense matrices dealt over its S ranks, each gathered whole on its owner by an
-    all-to-all and sent back, one a round; expert shards where they live): Newton-Schulz FLOPs (per rank, critical
-    path), the all-to-all bytes a rank sends (all, over the network) and seconds, the busiest rank's elements."""
-    S = layout.dp_shard
-    Fs = layout.efsdp
+    all-to-all and sent back, one a round; expert shards on their Fs expert-FSDP ranks, ep apart): Newton-Schulz FLOPs
+    (per rank, critical path), the all-to-all bytes a rank sends (all, over the network) and seconds, the busiest
+    rank's elements."""
     dense, dense_critical, rounds = muon_deal(hidden, S)  # S = 1: all on the one rank, no traffic
     L = next((u[0][0] for u in experts if u), 0)  # routed experts per EP rank
     per_expert = sum(ns_flops(s[1:]) for u in experts for s in u)
     chunk = -(-L // Fs)  # expert-FSDP rank j holds experts j*chunk .. (torch.chunk)
     by_efsdp = [per_expert * max(0, min(chunk, L - j * chunk)) for j in range(Fs)]
-    flops = [dense[r] + by_efsdp[r // layout.ep] for r in range(S)]
+    flops = [dense[r] + by_efsdp[r // ep] for r in range(S)]
     nbytes = c * shard(hidden, S)  # the rows a rank holds go out, the rows it owns come back
     return {"flops_by_rank": flops, "flops": max(flops), "flops_mean": sum(flops) / S,
             "critical_flops": max(by_efsdp) + dense_critical,
@@ -277,30 +287,29 @@ def muon_work(hidden: tuple, experts: list, layout: parallel.Layout, links: Link
 def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None) -> dict:
     """Per-GPU memory (bytes), FLOPs per token, one optimizer step's collectives (bytes, seconds on `links`), the
     optimizer's work and a checkpoint's bytes of training `cfg` as train.py does with `tc` on `world` ranks."""
-    if tc.cp > 1:
-        raise ValueError(f"--cp={tc.cp}: plan.py does not model context parallelism yet; plan the layout with --cp=1.")
-    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
+    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
     facts = model_facts(cfg)
     links = links or Links()
     c = 4 if tc.dtype == "fp32" else 2
-    S = layout.dp_shard
-    Fs = layout.efsdp
+    cp = layout.cp
+    S = layout.dp_shard * cp  # FSDP's groups: a cp rank holds a shard as a data-parallel rank does
+    Fs = layout.efsdp * cp
     experts = [tuple((cfg.n_experts // layout.ep, *s[1:]) for s in unit) for unit in facts["experts"]]
     # Unsharded elements of each unit as FSDP gathers it (every shard padded alike).
     full = {"root": S * shard(facts["root"], S), "blocks": [S * shard(u, S) for u in facts["blocks"]],
             "experts": [Fs * shard(u, Fs) for u in experts]}
     params = (full["root"] + sum(full["blocks"])) // S + sum(full["experts"]) // Fs
-    groups = {"dp_shard": links.span(1, S), "efsdp": links.span(layout.ep, Fs),
+    groups = {"dp_shard": links.span(1, S), "efsdp_cp": links.span(layout.ep, Fs), "cp": links.span(layout.ep, cp),
               "dp_replicate": links.span(S, layout.dp_replicate), "ep": links.span(1, layout.ep)}
-    muon = muon_work(facts["muon_dense"], experts, layout, links, groups["dp_shard"], c) \
+    muon = muon_work(facts["muon_dense"], experts, S, Fs, layout.ep, links, groups["dp_shard"], c) \
         if tc.optimizer == "muon" else None
     memory = fsdp_memory(world, params, full, c, tc.keep_gathered, muon and muon["elements"])
     # What a checkpoint holds: the fp32 shards and the optimizer state, not the gradients
     checkpointed = sum(v for k, v in memory.items() if k.startswith(("parameters", "optimizer")))
-    acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep)
+    acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep, cp)
     memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
-    p = {"world": world, "layout": layout, "micro_batch": tc.micro_batch, "seq": tc.seq_len, "ac": tc.ac,
+    p = {"world": world, "layout": layout, "seq": tc.seq_len, "tokens": tc.micro_batch * tc.seq_len // cp, "ac": tc.ac,
          "accumulation_steps": layout.accumulation_steps(tc.global_batch, tc.micro_batch),
          "keep_gathered": tc.keep_gathered, "params_total": facts["params"]["total"],
          "params_active": facts["params"]["active"], "params_per_gpu": params, "memory_bytes": memory,
@@ -314,12 +323,11 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
 def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon: dict | None) -> dict:
     """Plan `p`'s FLOPs per token and collectives by unit, their bytes per optimizer step, the optimizer's work."""
     accum = p["accumulation_steps"]
-    tokens = p["micro_batch"] * p["seq"]
-    root = (full["root"], 0)
-    blocks = list(zip(full["blocks"], full["experts"]))
-    made = {key: unit_collectives(cfg, p["layout"], links, p["groups"], c, tokens, *key)
+    root = (full["root"], 0, False)
+    blocks = [(n, experts, True) for n, experts in zip(full["blocks"], full["experts"])]
+    made = {key: unit_collectives(cfg, p["layout"], links, p["groups"], c, p["tokens"], *key)
             for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
-    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position
+    attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position (with cp: the whole row's)
     units = [{**made[root], "flops": 0}] + [
         {**made[key], "flops": flops + attn_flops * (p["seq"] if cfg.is_global(i) else min(cfg.window, p["seq"]))}
         for i, (key, flops) in enumerate(zip(blocks, facts["block_flops"]))]
@@ -328,7 +336,7 @@ def step_work(cfg, p: dict, facts: dict, full: dict, links: Links, c: int, muon:
     gathers = 1 if p["keep_gathered"] else accum
     times = {"gather": gathers + (0 if p["keep_gathered"] else accum), "reduce": accum, "all_reduce": 1,
              "a2a_fwd": accum * (2 if p["ac"] == "full" else 1),  # full AC repeats them in backward
-             "a2a_bwd": accum}
+             "a2a_bwd": accum, "cp": accum * (3 if p["ac"] == "full" else 2)}
     traffic = defaultdict(lambda: [0.0, 0.0])  # kind -> [bytes sent, of which over the network]
     for key, uses, is_root in [(root, 1, True)] + [(key, k, False) for key, k in Counter(blocks).items()]:
         for part, n in times.items():
@@ -385,7 +393,7 @@ class Timeline:
         """Work on the compute stream, if any; an all-to-all there is link time too."""
         if seconds:
             self.compute(seconds, kind=kind)
-            if kind in (A2A, MUON_A2A):
+            if kind in (A2A, CP_A2A, MUON_A2A):
                 self.link_s[kind] += seconds
 
 
@@ -393,7 +401,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
     """One micro-batch of train.train_step: each unit gathered as the one before starts (FSDP2's prefetch), the head;
     backward from the last block, re-gathered one ahead (unless kept), each unit's gradients reduce-scattered (on the
     last micro-batch also all-reduced across replicas) once its backward ends."""
-    tokens = p["micro_batch"] * p["seq"]
+    tokens = p["tokens"]
     units = p["units"]
     gather = first or not p["keep_gathered"]
     regather = not p["keep_gathered"]
@@ -403,6 +411,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
         start = tl.compute(u["flops"] / 3 * tokens / flops_s, ready[j])
         if gather and j + 1 < len(units):
             ready[j + 1] = tl.comm(AG, units[j + 1]["gather_s"], start)
+        tl.in_line(CP_A2A, u["cp_s"])
         tl.in_line(A2A, u["a2a_fwd_s"])
     tl.compute(p["head_flops_per_token"] * tokens / flops_s)  # the fused loss makes the head's gradients too
     blocks = units[:0:-1]
@@ -412,6 +421,7 @@ def micro_batch_on(tl: Timeline, p: dict, flops_s: float, first: bool, last: boo
             start = tl.compute(u["flops"] / 3 * (1 + recompute) * tokens / flops_s, ready[j])
             if regather and j + 1 < len(blocks):
                 ready[j + 1] = tl.comm(AG, blocks[j + 1]["gather_s"], start)
+            tl.in_line(CP_A2A, recompute * u["cp_s"])
             tl.in_line(A2A, (u["a2a_fwd_s"] if recompute == 2 else 0.0) + u["a2a_bwd_s"])
         tl.comm(RS, u["reduce_s"], tl.compute_end)
         if last and p["layout"].dp_replicate > 1:
@@ -445,7 +455,7 @@ def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
         for total, now, before in ((seconds, marks[1][1], marks[0][1]), (link_s, marks[1][2], marks[0][2])):
             for k in now:
                 total[k] = total.get(k, 0.0) + more * (now[k] - before.get(k, 0.0))
-    tokens = accum * p["micro_batch"] * p["seq"]  # per GPU per step
+    tokens = accum * p["tokens"]  # per GPU per step
     mfu = p["flops_per_token"] * tokens / step_s / (peak_tflops * 1e12)
     return {"step_s": step_s, "seconds": seconds, "link_s": link_s, "tokens_per_s_per_gpu": tokens / step_s,
             "mfu": mfu, "days": steps * step_s / 86400,
@@ -460,12 +470,16 @@ def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops
     found = []
     tried = 0
     moe = cfg.n_dense_layers < cfg.n_layers
-    micro_batches = parallel.divisors(tc.global_batch // world)
-    for R in parallel.divisors(world):
-        eps = [e for e in parallel.divisors(world // R) if cfg.n_experts % e == 0] if moe else [1]
+    long = tc.seq_len >= CP_FROM or tc.global_batch % world
+    cps = [cp for cp in parallel.divisors(math.gcd(cfg.n_kv_heads, tc.seq_len, world)) if cp == 1 or long]
+    for R, cp in itertools.product(parallel.divisors(world), cps):
+        if world // R % cp or tc.global_batch % (world // cp):
+            continue
+        eps = [e for e in parallel.divisors(world // R // cp) if cfg.n_experts % e == 0] if moe else [1]
+        micro_batches = parallel.divisors(tc.global_batch // (world // cp))
         for ep, micro, ac, keep in itertools.product(eps, micro_batches, parallel.AC_MODES, (False, True)):
             tried += 1
-            candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, micro_batch=micro, ac=ac,
+            candidate = dataclasses.replace(tc, dp_replicate=R, dp_shard=0, ep=ep, cp=cp, micro_batch=micro, ac=ac,
                                             keep_gathered=keep)
             p = estimate(cfg, candidate, world, links)
             if p["memory_total_bytes"] <= FIT_FRACTION * mem_gib * 2**30:
@@ -539,12 +553,12 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
 def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: str):
     peak, mem_gib = GPUS[r["gpu"]][:2]
     print(f"plan: {r['preset']} on {r['gpus']} x {r['gpu']} ({mem_gib} GiB, {peak:g} TFLOP/s dense bf16); "
-          f"seq {r['seq']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
+          f"seq {r['seq']}, cp={r['cp']}, micro-batch {r['micro_batch']}, global batch {r['global_batch']} "
           f"({p['accumulation_steps']} micro-batch(es) per step), ac={r['ac']}, keep_gathered={r['keep_gathered']}, "
           f"optimizer={r['optimizer']}")
     print(layout)
     print(f"parameters: {p['params_total'] / 1e9:.2f}B total, {p['params_active'] / 1e9:.2f}B active; "
-          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {p['layout'].dp_shard}, replicated "
+          f"{p['params_per_gpu'] / 1e9:.3f}B per GPU (sharded over {math.prod(p['groups']['dp_shard'])}, replicated "
           f"{p['layout'].dp_replicate}x)")
     print("memory per GPU:")
     for k, v in r["memory_gib"].items():
@@ -572,7 +586,7 @@ def print_plan(r: dict, p: dict, t: dict, links: Links, layout: str, rate_from: 
     print(f"optimizer step ({r['optimizer']}) per GPU: {muon}elementwise passes {o['hbm_bytes_per_gpu'] / 1e9:.1f} GB "
           f"at {r['hbm_gb_s']:g} GB/s, {s[OPT_HBM]:.3g} s; {o['seconds']:.3g} s after the last reductions")
     print(f"time per step ({rate_from}: compute at {r['compute_tflops']:g} TFLOP/s; all-gathers prefetched one block "
-          f"ahead, reduce-scatters overlapping backward, the EP all-to-all in line):")
+          f"ahead, reduce-scatters overlapping backward, the EP and CP all-to-alls in line):")
     for k, v in sorted(t["seconds"].items(), key=lambda kv: -kv[1]):
         print(f"  {k:48s} {v:9.2f} s")
     print(f"  {'step':48s} {t['step_s']:9.2f} s: {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
@@ -631,7 +645,7 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
         train.model_config(tc, overrides, PRESETS[tc.preset].vocab_size)
     result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": tc.seq_len,
               "micro_batch": tc.micro_batch, "global_batch": tc.global_batch, "steps": tc.steps, "ac": tc.ac,
-              "keep_gathered": tc.keep_gathered, "dp_replicate": tc.dp_replicate, "ep": tc.ep,
+              "keep_gathered": tc.keep_gathered, "dp_replicate": tc.dp_replicate, "ep": tc.ep, "cp": tc.cp,
               "optimizer": tc.optimizer, "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9,
               "network_gb_s": links.inter / 1e9, "latency_us": links.latency * 1e6, "hbm_gb_s": links.hbm / 1e9,
               "compute_tflops": tflops}
@@ -710,8 +724,8 @@ def plan_parser() -> argparse.ArgumentParser:
 def train_args(argv: list[str], world: int) -> tuple[train.TrainConfig, dict]:
     """train.parse_args as train.py resolves it under torchrun on `world` ranks (--micro_batch=0: a rank's share)."""
     tc, overrides = train.parse_args(argv)
-    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep)
-    return train.with_micro_batch(tc, layout.world), overrides
+    layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp)
+    return train.with_micro_batch(tc, layout.dp), overrides
 
 
 def recorded_world_size(path: str) -> int:
