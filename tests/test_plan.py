@@ -245,7 +245,7 @@ def test_search_tries_cp_on_long_rows_and_prints_a_runnable_command(capsys, monk
 # Links and time
 
 @pytest.mark.parametrize("world, replicas, ep, cp, per_node", [(64, 2, 4, 1, 8), (64, 4, 16, 1, 8), (16, 1, 2, 1, 4),
-                                                              (64, 2, 4, 2, 8), (16, 1, 1, 2, 4)])
+                                                              (64, 2, 8, 2, 8), (16, 1, 1, 2, 4)])
 def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, cp, per_node):
     """The planner's (ranks per node, nodes) of each group against rank 0's groups in parallel.build_mesh's own mesh
     (a fake process group of `world` ranks in this process)."""
