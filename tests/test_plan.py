@@ -382,12 +382,17 @@ def readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+def large_toml(folder: Path) -> Path:
+    """The README's large.toml, written to `folder`."""
+    toml = next(block for block in re.findall(r"```toml\n(.*?)```", readme(), re.S) if "# large.toml" in block)
+    (folder / "large.toml").write_text(toml)
+    return folder / "large.toml"
+
+
 def test_the_readme_large_toml_plans_to_the_figures_the_readme_states(capsys, tmp_path):
     """The README's large.toml, given as --config: its world size, batch, micro-batch, AC, layout and Muon are planned
     (not plan.py's own defaults), and the README's planning figures are what plan.py prints."""
-    toml = next(block for block in re.findall(r"```toml\n(.*?)```", readme(), re.S) if "# large.toml" in block)
-    (tmp_path / "large.toml").write_text(toml)
-    code, report = run_json(capsys, [f"--config={tmp_path / 'large.toml'}", "--json"])
+    code, report = run_json(capsys, [f"--config={large_toml(tmp_path)}", "--json"])
     assert code == 0 and report["fits"]
     assert (report["gpus"], report["dp_replicate"], report["ep"], report["micro_batch"], report["global_batch"],
             report["seq"], report["ac"], report["optimizer"], report["steps"]) == (
@@ -407,6 +412,20 @@ def test_the_readme_large_toml_plans_to_the_figures_the_readme_states(capsys, tm
               f"{100 * failures['goodput']['configured']['elastic']:.1f}% at the 30-minute default)"]
     section = " ".join(readme().split("### Planning a run")[1].split("\n## ")[0].split())  # lines joined
     assert [s for s in stated if s not in section] == []
+
+
+def test_the_readme_long_context_figures_are_what_plan_py_prints(capsys, tmp_path, monkeypatch):
+    """Each plan.py command of the README's long-context recipe, and the row of figures it states for it."""
+    large_toml(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    section = readme().split("## Long context")[1].split("\n## ")[0]
+    commands = re.findall(r"python plan\.py (.*?)(?: +#.*)?\n", section)
+    assert len(commands) == 3 and "--cp=4" in commands[2]
+    for command in commands:
+        code, r = run_json(capsys, shlex.split(command) + ["--search=false", "--json"])
+        row = (f"| {r['gpus']:,} | {r['memory_gib_per_gpu']:.1f} GiB | {r['step_seconds']:.1f} s | "
+               f"{100 * r['mfu']:.1f}% | {r['tokens_per_s_per_gpu']:,.0f} |")
+        assert code == 0 and row in section, row
 
 
 @pytest.mark.parametrize("with_file", [False, True])
