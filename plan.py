@@ -3,7 +3,7 @@ Plan a run before it starts: memory per GPU, bytes per collective, step time, MF
 layout, the fastest layouts that fit, and what failures cost; arithmetic on a meta-device model, no GPU needed. It
 reads train.py's flags and config files as train.py does; its own flags say what training does not know.
 
-    python plan.py --config=large.toml --gpu=b300       # the run large.toml describes, on its world_size GPUs
+    python plan.py --config=large.toml --gpu=b300       # large.toml's run, on its world_size GPUs
     python plan.py --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --global_batch=12288 --ac=full  # from flags
     python plan.py --config=large.toml --seq_len=65536 --global_batch=1536 --cp=4  # long context
     python plan.py --config=large.toml --net_gbs=50 --tflops=450 --mtbf_hours=4096  # slower links, more failures
@@ -283,7 +283,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
     acts = activation_bytes(cfg, tc.seq_len, tc.micro_batch, c, layout.ep, cp)
     memory[f"activations (ac={tc.ac}, peak)"] = acts[tc.ac]["peak"]
     root = (full["root"], 0, False)
-    blocks = [(n, experts, True) for n, experts in zip(full["blocks"], full["experts"])]
+    blocks = [(n, e, True) for n, e in zip(full["blocks"], full["experts"])]
     made = {key: unit_collectives(cfg, layout, links, groups, c, tokens, *key)
             for key in dict.fromkeys([root] + blocks)}  # units of the same sizes share their collectives
     attn_flops = 12 * cfg.n_heads * cfg.head_dim  # per token and context position (with cp: the whole row's)
@@ -321,7 +321,7 @@ def estimate(cfg, tc: train.TrainConfig, world: int, links: Links | None = None)
             "network_bytes_per_step": {k: v[1] for k, v in traffic.items()}, "optimizer": step}
 
 
-# --- Time: one GPU's step on a timeline of compute and links
+# --- Time: one GPU's step on a timeline
 
 class Timeline:
     """One GPU's step on the compute stream (with the all-to-alls: the next op waits for their tokens) and its links."""
@@ -427,7 +427,7 @@ def project(p: dict, flops_s: float, peak_tflops: float, steps: int) -> dict:
             "optimizer_s": sum(seconds.get(k, 0.0) for k in (NS, MUON_A2A, OPT_HBM))}
 
 
-# --- The fastest layouts that fit, as train.py commands
+# --- The fastest layouts that fit
 
 def search(cfg, tc: train.TrainConfig, world: int, gpu: str, links: Links, flops_s: float, top: int = 5):
     """The `top` fastest (TrainConfig, plan, projection) of `tc`'s layouts that fit; how many were tried, fit."""
@@ -483,7 +483,7 @@ def why_slower(t: dict, best: dict) -> str:
     return f"{worst} {t['seconds'].get(worst, 0.0):.3g} s vs {best['seconds'].get(worst, 0.0):.3g} s"
 
 
-# --- Failures: the time they cost, and the checkpoint interval that loses least
+# --- Failures: the time they cost
 
 def lost_fraction(interval_s: float, checkpoint_s: float, down_s: float, mtbf_s: float) -> float:
     """The fraction of time lost, to first order in (interval, downtime) / MTBF: a checkpoint per interval; per
@@ -506,7 +506,7 @@ def failure_costs(p: dict, tc: train.TrainConfig, step_s: float, args) -> dict:
     configured_s = min(periods) if periods else math.inf  # no periodic checkpoint: a failure loses the whole run
     goodput = {name: {way: max(0.0, 1 - lost_fraction(interval, write_s, down, mtbf_s)) for way, down in down_s.items()}
                for name, interval in (("best", best_s), ("configured", configured_s))}
-    return {"mtbf_hours_per_gpu": args.mtbf_hours, "mtbf_hours_job": mtbf_s / 3600,
+    return {"mtbf_hours_job": mtbf_s / 3600,
             "checkpoint_write_bytes": p["checkpoint"]["write_bytes"], "checkpoint_write_s": write_s,
             "checkpoint_read_bytes": p["checkpoint"]["read_bytes"], "checkpoint_read_s": read_s, "timeout_s": timeout_s,
             "downtime_s": down_s, "interval_s": best_s, "interval_steps": max(1, round(best_s / step_s)),
@@ -591,10 +591,10 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
     total_gib = p["memory_total_bytes"] / 2**30
     budget = FIT_FRACTION * mem_gib
     per = lambda d, unit: {k: v / unit for k, v in d.items()}  # noqa: E731
-    o = p["optimizer"]  # its seconds by part are in seconds_per_step
-    result |= {k: p[k] for k in ("params_total", "params_active", "params_per_gpu", "flops_per_token",
-                                 "accumulation_steps")}
-    result.update(memory_gib_per_gpu=total_gib, memory_gib=per(p["memory_bytes"], 2**30),
+    o = p["optimizer"]
+    result.update({k: p[k] for k in ("params_total", "params_active", "params_per_gpu", "flops_per_token",
+                                     "accumulation_steps")},
+                  memory_gib_per_gpu=total_gib, memory_gib=per(p["memory_bytes"], 2**30),
                   activations_gib_by_ac=per(p["activations_by_ac"], 2**30),
                   traffic_gb_per_step_per_gpu=per(p["traffic_bytes_per_step"], 1e9),
                   network_gb_per_step_per_gpu=per(p["network_bytes_per_step"], 1e9),
