@@ -4,7 +4,8 @@ layout, the fastest layouts that fit, and what failures cost; arithmetic on a me
 reads train.py's flags and config files as train.py does; its own flags say what training does not know.
 
     python plan.py --config=large.toml --gpu=b300       # large.toml's run, on its world_size GPUs
-    python plan.py --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --global_batch=12288 --ac=full  # from flags
+    python plan.py --preset=large --gpus=2048 --dp_replicate=16 --ep=8 --seq_len=8192 --global_batch=12288 \
+        --micro_batch=1 --ac=full --optimizer=muon --steps=168000   # the same run from flags
     python plan.py --config=large.toml --seq_len=65536 --global_batch=1536 --cp=4  # long context
     python plan.py --config=large.toml --net_gbs=50 --tflops=450 --mtbf_hours=4096  # slower links, more failures
 
