@@ -84,6 +84,7 @@ def test_plan_seed_layout(capsys):
     (["--dp_replicate=3"], 2, "world size 2048 is not divisible by dp_replicate=3"),
     (["--ep=3"], 2, "ep=3 does not divide dp_shard=128"),
     (["--global_batch=1000"], 2, "global_batch=1000 sequences is not divisible by world 2048"),
+    (["--cp=16"], 2, "cp=16 does not divide n_kv_heads=8"),
     (["--gpus=32", "--dp_replicate=1", "--global_batch=32"], 1, "GiB per GPU but a b300 offers"),
 ])
 def test_plan_rejects_layouts_with_the_reason(capsys, flags, code, reason):
@@ -183,23 +184,80 @@ def test_plan_memory_matches_two_fsdp_ranks(tmp_path):
             assert predicted[kind] == pytest.approx(measured[kind], rel=0.05), (rank, kind)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Context parallelism
+
+def test_cp_splits_each_row_s_activations_and_shards_parameters_over_its_ranks_too(capsys):
+    """large at 256K tokens on 2,048 GPUs: with cp=4 a GPU holds a quarter of each row's tokens, and the FSDP group
+    (dp_shard 32 x cp 4) is as large as cp=1's 128, so the weights cost the same."""
+    long = SEED_LAYOUT[:4] + ["--seq_len=262144", "--global_batch=2048", "--micro_batch=1", "--ac=full", "--gpu=b300",
+                              "--search=false", "--json"]
+    _, one = run_json(capsys, long)
+    code, four = run_json(capsys, long + ["--cp=4"])
+    assert code == 0 and four["fits"] and four["cp"] == 4 and four["params_per_gpu"] == one["params_per_gpu"]
+    assert four["memory_gib_per_gpu"] < one["memory_gib_per_gpu"] - 0.7 * one["activations_gib_by_ac"]["full"]
+    assert four["activations_gib_by_ac"]["full"] == pytest.approx(one["activations_gib_by_ac"]["full"] / 4, rel=0.1)
+    # The same FLOPs per token and tokens per GPU: a quarter of each of 4 rows, one after another, not one whole row.
+    assert four["flops_per_token"] == one["flops_per_token"]
+    assert (four["accumulation_steps"], one["accumulation_steps"]) == (4, 1)
+    assert four["traffic_gb_per_step_per_gpu"][plan.CP_A2A] > 0
+    assert plan.CP_A2A not in one["traffic_gb_per_step_per_gpu"]
+
+
+@pytest.mark.parametrize("ac, passes", [("none", 2), ("selective", 2), ("full", 3)])
+def test_cp_all_to_all_bytes_by_hand(ac, passes):
+    """cp=2 on 4 ranks, bf16, 2 micro-batches of one 32-token row: per attention layer a rank sends half of q, k, v
+    (16 tokens x (4 + 2 + 2) heads x 16 x 2 bytes) and of the output (4 heads), once forward and once backward, and
+    forward again where full AC recomputes."""
+    tc = run_config(dtype="bf16", micro_batch=1, global_batch=4, cp=2, ac=ac)
+    per_layer = 16 * (4 + 2 + 2 + 4) * 16 * 2 / 2
+    for per_node, network in ((8, 0.0), (1, 1.0)):  # the cp pair in one node, or across two
+        links = plan.Links(per_node=per_node, intra=100e9, inter=10e9, latency=1e-6)
+        p = plan.estimate(CFG, tc, 4, links)
+        sent = p["traffic_bytes_per_step"][plan.CP_A2A]
+        assert sent == 2 * CFG.n_layers * passes * per_layer
+        assert p["network_bytes_per_step"][plan.CP_A2A] == network * sent
+        # in line on the compute stream: each of the four buffers an all-to-all of its own
+        buffers = [16 * h * 16 * 2 for h in (4, 2, 2, 4)]
+        want = 2 * CFG.n_layers * passes * sum(links.seconds(plan.CP_A2A, b, p["groups"]["cp"]) for b in buffers)
+        assert plan.project(p, 1e12, 100.0, steps=1)["seconds"][plan.CP_A2A] == pytest.approx(want)
+
+
+def test_search_tries_cp_on_long_rows_and_prints_a_runnable_command(capsys, monkeypatch):
+    links = plan.Links(per_node=8)
+    short = plan.search(CFG, run_config(global_batch=8, micro_batch=1), 8, "h100", links, 1e12)
+    assert all(candidate.cp == 1 for candidate, _, _ in short[0])
+    long_tc = run_config(seq_len=plan.CP_FROM, global_batch=8, micro_batch=1)
+    best, tried, fit = plan.search(CFG, long_tc, 8, "h100", links, 1e12)
+    assert tried > short[1]  # cp=2 layouts too (cp divides n_kv_heads=2)
+    # 4 rows on 8 GPUs: only cp=2 gives each GPU a share, and the command says so
+    given = ["--preset=tiny", *TINY_MODEL_FLAGS, f"--seq_len={plan.CP_FROM}", "--global_batch=4", "--cp=2",
+             "--gpus=8", "--gpu=h100", "--json"]
+    code, report = run_json(capsys, given)
+    words = shlex.split(report["search"]["command"])
+    assert code == 0 and all("--cp=2" in b["flags"] for b in report["search"]["best"]) and "--cp=2" in words
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    tc, _ = train.parse_args(words[1:])
+    assert tc.cp == 2 and parallel.Layout.for_world(8, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp).dp == 4
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Links and time
 
-@pytest.mark.parametrize("world, replicas, ep, per_node", [(64, 2, 4, 8), (64, 4, 16, 8), (16, 1, 2, 4)])
-def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, per_node):
+@pytest.mark.parametrize("world, replicas, ep, cp, per_node", [(64, 2, 4, 1, 8), (64, 4, 16, 1, 8), (16, 1, 2, 1, 4),
+                                                              (64, 2, 8, 2, 8), (16, 1, 1, 2, 4)])
+def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, cp, per_node):
     """The planner's (ranks per node, nodes) of each group against rank 0's groups in parallel.build_mesh's own mesh
     (a fake process group of `world` ranks in this process)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        layout = parallel.Layout(world, replicas, ep)
+        layout = parallel.Layout(world, replicas, ep, cp)
         mesh = parallel.build_mesh(layout, "cpu")
         big = ModelConfig(**{**CFG.__dict__, "n_experts": 64})
-        tc = run_config(micro_batch=1, global_batch=world, dp_replicate=replicas, ep=ep)
+        tc = run_config(micro_batch=1, global_batch=world, dp_replicate=replicas, ep=ep, cp=cp)
         groups = plan.estimate(big, tc, world, plan.Links(per_node=per_node))["groups"]
+        assert "cp" in groups and "efsdp_cp" in groups
         for name, (k, m) in groups.items():
             ranks = parallel._submesh(mesh, name).mesh.flatten().tolist()
             nodes = {r // per_node for r in ranks}
@@ -211,13 +269,14 @@ def test_groups_span_the_nodes_build_mesh_puts_them_on(world, replicas, ep, per_
 def test_collective_costs_by_hand():
     links = plan.Links(per_node=8, intra=100.0, inter=10.0, latency=1.0)
     # One node: a ring of 8 sends 7/8 of 800 bytes at 100 B/s, in 7 steps.
-    assert links.ring_s(800, (8, 1)) == pytest.approx(7 + 7)
+    assert links.seconds(plan.AG, 800, (8, 1)) == pytest.approx(7 + 7)
     # Two nodes: then each GPU carries 1/8 of the buffer, half of it to the other node, at 10 B/s, in 1 step.
-    assert links.ring_s(800, (8, 2)) == pytest.approx(14 + 800 / 8 / 2 / 10 + 1)
+    assert links.seconds(plan.AG, 800, (8, 2)) == pytest.approx(14 + 800 / 8 / 2 / 10 + 1)
+    assert links.seconds(plan.AR, 800, (8, 2)) == pytest.approx(2 * (14 + 800 / 8 / 2 / 10 + 1))  # RS, then AG
     # One GPU per node for 4 nodes: the whole ring on the network.
-    assert links.ring_s(800, (1, 4)) == pytest.approx(800 * 3 / 4 / 10 + 3)
+    assert links.seconds(plan.AG, 800, (1, 4)) == pytest.approx(800 * 3 / 4 / 10 + 3)
     # All-to-all over 16 ranks on 2 nodes: 7/16 over NVLink while 8/16 cross the network; 15 steps.
-    assert links.all_to_all_s(800, (8, 2)) == pytest.approx(max(800 * 7 / 16 / 100, 800 * 8 / 16 / 10) + 15)
+    assert links.seconds(plan.A2A, 800, (8, 2)) == pytest.approx(max(800 * 7 / 16 / 100, 800 * 8 / 16 / 10) + 15)
     assert plan.sent_bytes(800, (8, 2), plan.AR) == (2 * 800 * 15 / 16, 2 * 800 * 1 / 16)
 
 
@@ -323,12 +382,17 @@ def readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+def large_toml(folder: Path) -> Path:
+    """The README's large.toml, written to `folder`."""
+    toml = next(block for block in re.findall(r"```toml\n(.*?)```", readme(), re.S) if "# large.toml" in block)
+    (folder / "large.toml").write_text(toml)
+    return folder / "large.toml"
+
+
 def test_the_readme_large_toml_plans_to_the_figures_the_readme_states(capsys, tmp_path):
     """The README's large.toml, given as --config: its world size, batch, micro-batch, AC, layout and Muon are planned
     (not plan.py's own defaults), and the README's planning figures are what plan.py prints."""
-    toml = next(block for block in re.findall(r"```toml\n(.*?)```", readme(), re.S) if "# large.toml" in block)
-    (tmp_path / "large.toml").write_text(toml)
-    code, report = run_json(capsys, [f"--config={tmp_path / 'large.toml'}", "--json"])
+    code, report = run_json(capsys, [f"--config={large_toml(tmp_path)}", "--json"])
     assert code == 0 and report["fits"]
     assert (report["gpus"], report["dp_replicate"], report["ep"], report["micro_batch"], report["global_batch"],
             report["seq"], report["ac"], report["optimizer"], report["steps"]) == (
@@ -348,6 +412,20 @@ def test_the_readme_large_toml_plans_to_the_figures_the_readme_states(capsys, tm
               f"{100 * failures['goodput']['configured']['elastic']:.1f}% at the 30-minute default)"]
     section = " ".join(readme().split("### Planning a run")[1].split("\n## ")[0].split())  # lines joined
     assert [s for s in stated if s not in section] == []
+
+
+def test_the_readme_long_context_figures_are_what_plan_py_prints(capsys, tmp_path, monkeypatch):
+    """Each plan.py command of the README's long-context recipe, and the row of figures it states for it."""
+    large_toml(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    section = readme().split("## Long context")[1].split("\n## ")[0]
+    commands = re.findall(r"python plan\.py (.*?)(?: +#.*)?\n", section)
+    assert len(commands) == 3 and "--cp=4" in commands[2]
+    for command in commands:
+        code, r = run_json(capsys, shlex.split(command) + ["--search=false", "--json"])
+        row = (f"| {r['gpus']:,} | {r['memory_gib_per_gpu']:.1f} GiB | {r['step_seconds']:.1f} s | "
+               f"{100 * r['mfu']:.1f}% | {r['tokens_per_s_per_gpu']:,.0f} |")
+        assert code == 0 and row in section, row
 
 
 @pytest.mark.parametrize("with_file", [False, True])
@@ -380,6 +458,7 @@ def test_the_fastest_layout_s_command_trains_what_was_planned(capsys, tmp_path, 
     (["--learning_rate=1"], "unknown flag --learning_rate; did you mean --lr?"),
     (["--grad_sync=last"], "unknown flag --grad_sync"),
     (["--lr=-1"], "--lr=-1.0 must be 0 or more."),
+    (["--seq_len=8192", "--cp=3"], "--cp=3 must be a divisor of seq_len=8192."),
     (["--gpus=8", "--dp_replicate=2", "--dp_shard=3"],
      "--dp_replicate=2 x --dp_shard=3 is 6 ranks but 8 were launched"),
 ])
@@ -511,7 +590,7 @@ def test_seed_layout_with_muon_reports_the_newton_schulz_flops_by_hand(capsys):
     assert adamw["optimizer_step"]["hbm_bytes_per_gpu"] == 28 * adamw["params_per_gpu"]
     assert adamw["optimizer_step"]["seconds"] == pytest.approx(28 * adamw["params_per_gpu"] / 8e12)
     code, slower = run_json(capsys, SEED_LAYOUT + ["--ac=full", "--hbm_gbs=4000"])
-    assert slower["hbm_gb_s"] == 4000 and slower["optimizer_step"]["seconds"] == pytest.approx(
+    assert slower["links"]["hbm"] == 4000e9 and slower["optimizer_step"]["seconds"] == pytest.approx(
         2 * adamw["optimizer_step"]["seconds"])
     assert muon["step_seconds"] - adamw["step_seconds"] == pytest.approx(opt["seconds"] - adamw["optimizer_step"][
         "seconds"], rel=1e-6)
