@@ -60,14 +60,14 @@ HEADER_BYTES = 128  # padded so the tokens start aligned for np.memmap
 SHUFFLE_BUFFER_TOKENS = 2**25  # a part smaller than this is shuffled whole, a larger one within this window
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3",
                     "__pycache__"}  # keeps the default corpus to ~10 MB of real library code
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # what a directory input is searched for
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet")  # searched for in a folder input
 DOC_CHARS = 2**15  # ~8k tokens of English, about one long sequence
 FEISTEL_ROUNDS = 6
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # .idx: magic, version, dtype code, sequences, documents + 1
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}  # 6, 7: floats
 MIX_PERIOD = 2**12  # a mixture's rounding repeats after this many steps
-MIX_STRIDE = 2531  # odd and near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
+MIX_STRIDE = 2531  # odd, near MIX_PERIOD / golden ratio: consecutive steps' rounding offsets spread evenly
 PART_BYTES = 2**30  # the unit of work of preparing and of --shard
 RULES = {  # prepare's numbers, checked for flags and Python callers alike
     "doc_chars": at_least(1),
@@ -82,8 +82,8 @@ PART_NAME = re.compile(r"part_(\d{6})\.json")
 # themselves, the others for chr(256), chr(257)... in byte order
 BYTE_LEVEL = str.maketrans({b: chr(256 + i) for i, b in enumerate(
     b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 255 and b != 173))})
-# Characters the "count" decoding error handler replaced by U+FFFD (files are read on one thread, so a file's are
-# the increase while reading it): text in another encoding is said, not silently garbled.
+# Characters the "count" error handler read as U+FFFD (files are read on one thread: a file's are the increase while
+# reading it), so that text in another encoding is said, not silently garbled.
 REPLACED = [0]
 
 
@@ -130,7 +130,7 @@ class HFTokenizer:
                  f"eos_token is {eos!r}); set eos_token in tokenizer_config.json")
         self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self.sha256 = hashlib.sha256(raw + b"\0" + eos.encode()).hexdigest()
-        self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"  # 32 bytes
+        self.name = f"{re.sub(r'[^A-Za-z0-9._-]', '', os.path.basename(self.path))[:15]}-{self.sha256[:16]}"
 
     def encode(self, text: str, allowed_special: str = "none") -> list[int]:
         """As tiktoken's: "<|endoftext|>" is that token only with allowed_special="all"."""
@@ -276,7 +276,7 @@ def paragraph_documents(f, max_chars: int):
     for line in iter(functools.partial(f.readline, max_chars), ""):
         if line.strip() and lines and not lines[-1].strip():  # a paragraph starts after a blank line
             start = len(lines)
-        while size + len(line) > max_chars:  # full: the last paragraph moves on, unless it fills a document alone
+        while size + len(line) > max_chars:  # the last paragraph moves on, unless it fills a document alone
             cut = start or len(lines)
             yield "".join(lines[:cut])
             lines = lines[cut:]
@@ -294,7 +294,7 @@ def _separated_documents(f, separator: str, max_chars: int):
     while True:
         chunk = f.read(max_chars)
         *pieces, rest = (rest + chunk).split(separator)
-        # whole blocks of the unfinished piece go now, up to where a separator the next read completes may start
+        # whole blocks of the unfinished piece go now, up to where a separator the next read completes could start
         whole = max(0, len(rest) - len(separator) + 1) // max_chars * max_chars if chunk else len(rest)
         pieces.append(rest[:whole])
         rest = rest[whole:]
@@ -357,17 +357,9 @@ def _line_number(path: str, position: int) -> int:
 
 def _read_documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None,
                     encoding: str):
-    """(text, input bytes consumed) of each document starting in bytes [start, end) of the file."""
+    """(text, input bytes consumed) of each document starting in bytes [start, end) of the file: a .jsonl line, a
+    parquet row, a .py file, or plain text cut at doc_separator, else into paragraphs."""
     replaced = REPLACED[0]
-    yield from _documents(path, start, end, text_field, doc_chars, doc_separator, encoding)
-    if REPLACED[0] > replaced:
-        print(f"warning: {path}: {REPLACED[0] - replaced} characters are not {encoding} text, read as U+FFFD; pass "
-              f"its --encoding, e.g. latin-1", file=sys.stderr)
-
-
-def _documents(path: str, start: int, end: int, text_field: str, doc_chars: int, doc_separator: str | None,
-               encoding: str):
-    """A .jsonl line, a parquet row or a .py file is a document; other text is cut at doc_separator, else paragraphs."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -407,14 +399,17 @@ def _documents(path: str, start: int, end: int, text_field: str, doc_chars: int,
                         raise DataError(f"{path} line {_line_number(path, begin) + number} has no text field "
                                         f"{text_field!r} (it has {keys}); pass --text_field")
                     yield text, len(line)
-                return
-            text = io.TextIOWrapper(piece, encoding=encoding, errors="count")
-            documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
-                         paragraph_documents(text, doc_chars))
-            consumed = start
-            for document in documents:  # with the bytes read since the last, for the progress bar
-                yield document, f.tell() - consumed
-                consumed = f.tell()
+            else:
+                text = io.TextIOWrapper(piece, encoding=encoding, errors="count")
+                documents = (_separated_documents(text, doc_separator, doc_chars) if doc_separator else
+                             paragraph_documents(text, doc_chars))
+                consumed = start
+                for document in documents:  # with the bytes read since the last, for the progress bar
+                    yield document, f.tell() - consumed
+                    consumed = f.tell()
+    if REPLACED[0] > replaced:
+        print(f"warning: {path}: {REPLACED[0] - replaced} characters are not {encoding} text, read as U+FFFD; pass "
+              f"its --encoding, e.g. latin-1", file=sys.stderr)
 
 
 def _text_batches(pieces: list[tuple[str, int, int]], read):
@@ -724,7 +719,6 @@ def load_manifest(data_dir: str, name: str = "manifest.json") -> dict:
     fix = f"run `python data.py INPUTS --out_dir {data_dir}`"
     _require(not os.path.isfile(data_dir), f"--data={data_dir} is a file; --data takes a folder that data.py prepared "
              f"(python data.py {data_dir} --out_dir=DIR) or a Megatron-LM path prefix")
-
     _require(os.path.isdir(data_dir), f"data directory {data_dir!r} does not exist; {fix}")
     path = os.path.join(data_dir, name)
     _require(os.path.isfile(path), f"{data_dir!r} has no {name}: its preparation never finished; {fix}")
@@ -781,7 +775,7 @@ def _megatron_manifest(prefix: str) -> dict:
     fix = "write it again with Megatron-LM's preprocess_data.py"
     _require(os.path.isfile(bin_path), f"Megatron-LM index {index} has no {bin_path} beside it; {fix}")
     size = os.path.getsize(index)
-    with open(index, "rb") as f:  # the header, and with the last MiB the fingerprint: cheap for a terabyte index
+    with open(index, "rb") as f:  # the first and last MiB make the fingerprint: cheap for a terabyte index
         head = f.read(2**20)
         f.seek(max(0, size - 2**20))
         tail = f.read()
@@ -795,7 +789,6 @@ def _megatron_manifest(prefix: str) -> dict:
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
              f"bytes) but the file has {size}; {fix}")
-
     lengths, pointers, starts = _megatron_arrays(index, sequences, document_starts)
     _require(starts[0] == 0 and starts[-1] == sequences, f"{index} has documents from sequence {starts[0]} to "
              f"{starts[-1]}, not 0 to {sequences}; {fix}")
@@ -804,7 +797,7 @@ def _megatron_manifest(prefix: str) -> dict:
     bin_size = os.path.getsize(bin_path)
     _require(bin_size == tokens * dtype.itemsize, f"{bin_path} is truncated or corrupt: its index promises {tokens} "
              f"tokens ({tokens * dtype.itemsize} bytes) but the file has {bin_size} bytes; {fix}")
-    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # sizes, first and last MiB: a copy keeps them
+    digest = hashlib.sha256(f"{size} {tokens}\0".encode() + head + tail)  # a copy keeps it
     return {"format": "megatron", "dtype": dtype.name, "sequences": sequences, "documents": document_starts - 1,
             "fingerprint": digest.hexdigest()[:16],
             "splits": {"train": [{"file": os.path.basename(bin_path), "tokens": tokens}], "val": []}}
@@ -821,7 +814,7 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
     def encrypt(x):
         left = x >> shift
         right = x & mask
-        for key in keys:  # the round function is splitmix64's finaliser: every output bit depends on every input bit
+        for key in keys:  # the round function is splitmix64's finaliser
             h = (right ^ key) * np.uint64(0x9E3779B97F4A7C15)  # uint64 wraps
             h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -829,7 +822,7 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int = 0) -> np.ndarray:
         return (left << shift) | right
 
     x = encrypt(np.asarray(index, dtype=np.uint64))
-    while (outside := x >= np.uint64(n)).any():  # < 4 rounds expected, as over a quarter of the domain is inside
+    while (outside := x >= np.uint64(n)).any():  # over a quarter of the domain is inside: < 4 rounds expected
         x[outside] = encrypt(x[outside])
     return x.astype(np.int64)
 
@@ -858,7 +851,7 @@ class _Source:
                  f"{shortest['file']} in {path} holds only {shortest['tokens']}; lower seq_len")
         self.first_window = np.cumsum([0] + [(shard["tokens"] - 1) // seq_len for shard in self.shards], dtype=np.int64)
         self.num_sequences = int(self.first_window[-1])
-        self._shard = functools.lru_cache(64)(self._open)  # a few open memmaps: a corpus can have more shards than fds
+        self._shard = functools.lru_cache(64)(self._open)  # a corpus can have more shards than file descriptors
 
     def _file(self, k: int) -> str:
         return os.path.join(self.path, self.shards[k]["file"])
@@ -943,7 +936,8 @@ class Mixture:
         self.manifests = [load_manifest(path) for path in self.paths]
         # the sources that name their tokenizer (a Megatron dataset names none)
         named = {path: manifest for path, manifest in zip(self.paths, self.manifests) if "tokenizer" in manifest}
-        self.tokenizer = next(iter(named.values()), None)  # the manifest fields of the data's tokenizer
+        self.tokenizer = next(iter(named.values()), None)  # the data's tokenizer fields
+
         if tokenizer is None:
             return
         name = tokenizer_name(tokenizer)
@@ -964,7 +958,7 @@ class Mixture:
                   for start, weights in self.phases}
         mixed = [[start, sorted((fingerprints[path], w) for path, w in shares.items())]
                  for start, shares in phases.items()]
-        read = [path for shares in phases.values() for path in shares]  # each phase's sources of weight above 0
+        read = [path for shares in phases.values() for path in shares]
         fingerprint = (fingerprints[read[0]] if len(read) == 1 else
                        hashlib.sha256(json.dumps(mixed).encode()).hexdigest()[:16])
         return {"fingerprint": fingerprint, "sources": fingerprints, "phases": phases}
@@ -979,7 +973,7 @@ class DataLoader:
                  tokenizer: str | None = None, cp: tuple[int, int] = (0, 1)):
         _require(split in ("train", "val"), f"split={split!r} must be 'train' or 'val'")
         self.seq_len = seq_len
-        # Context parallelism: this rank holds chunk cp[0] of cp[1] contiguous ones of each row (seq_len divisible).
+        # context parallelism: this rank holds chunk cp[0] of cp[1] contiguous ones of each row
         chunk, chunks = cp
         self.columns = slice(chunk * seq_len // chunks, (chunk + 1) * seq_len // chunks)
         self.global_batch = global_batch
@@ -997,8 +991,8 @@ class DataLoader:
         self.starts = [start for start, _ in self.mixture.phases]
         running = [np.cumsum(np.concatenate([[0], weights_S])) for _, weights_S in self.mixture.phases]
         self.edges = [sums / sums[-1] for sums in running]  # each phase's running sum of weights, 0 to exactly 1
-        # A phase's counts repeat every MIX_PERIOD steps: its sequences per source before step t of a period
-        # (table[t]) give those before any step in O(1).
+        # a phase's counts repeat every MIX_PERIOD steps, so its sequences per source before step t of a period
+        # (table[t]) give those before any step in O(1)
         self.tables = [np.pad(np.cumsum(self._counts(k, np.arange(MIX_PERIOD)), axis=0), ((1, 0), (0, 0)))
                        for k in range(len(self.starts))]
 
@@ -1038,7 +1032,7 @@ class DataLoader:
         T = self.seq_len
         counts_S = self.counts(step)
         source_B = self.sources_of(step)
-        # a row's place in its source's stream: what the source gave before this step, then its place in the block
+        # a row's place in its source's stream: what the source gave before this step, plus its place in the block
         sample_B = (self.read_before(step) - np.cumsum(counts_S) + counts_S)[source_B] + self.rows_B
         rows_BT1 = np.empty((len(source_B), T + 1), np.int64)
         doc_ids_BT = np.empty((len(source_B), T), np.int64)
