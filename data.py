@@ -637,8 +637,8 @@ def prepare(inputs: list[str] | None = None, out_dir: str = DEFAULT_DATA_DIR, to
     mine = range(shard[0], len(parts), shard[1]) if shard else range(len(parts))
     hf_fields = {"tokenizer_path": enc.path, "tokenizer_sha256": enc.sha256} if isinstance(enc, HFTokenizer) else {}
     common = {"version": VERSION, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
-              "dtype": _token_dtype(enc.n_vocab).name, "header_bytes": HEADER_BYTES, **hf_fields, "inputs": inputs,
-              "files": len(files), "options": options, "parts": len(parts), "fingerprint": fingerprint}
+              "dtype": _token_dtype(enc.n_vocab).name, **hf_fields, "inputs": inputs, "files": len(files),
+              "options": options, "parts": len(parts), "fingerprint": fingerprint}
     started = time.time()
     workers = workers or os.cpu_count() or 1
     megabytes = sum(end - start for p in mine for _, start, end in parts[p]) / 1e6
