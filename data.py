@@ -871,8 +871,9 @@ class _Source:
         bad_NT1 = (rows_NT1 < 0) | (rows_NT1 >= (self.vocab_size or math.inf))  # a file changed after its check
         if bad_NT1.any():
             n, t = np.unravel_index(bad_NT1.argmax(), bad_NT1.shape)
-            raise DataError(f"{self.split} shard {self._file(shard[n])} holds token id {rows_NT1[n, t]}, beyond the "
-                            f"model's vocab_size={self.vocab_size}; prepare it again")
+            raise DataError(f"{self.split} shard {self._file(shard[n])} holds token id {rows_NT1[n, t]} (at token "
+                            f"{start[n] + t}), beyond the model's vocab_size={self.vocab_size}; prepare it again")
+
         return rows_NT1, self._doc_ids(start, rows_NT1[:, :-1])
 
     def _doc_ids(self, start_N: np.ndarray, tokens_NT: np.ndarray) -> np.ndarray:
