@@ -205,8 +205,8 @@ def test_another_preparation_in_out_dir_is_kept_unless_overwrite(tmp_path):
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     for shard in (None, (0, 2)):
         with pytest.raises(DataError, match=rf"^{re.escape(str(out))} holds another preparation \(fingerprint "
-                                            rf"{first['fingerprint']}, of 5 files\), which runs trained on it need "
-                                            rf"to resume; pass --overwrite to replace it, or choose another --out_dir"):
+                                            rf"{first['fingerprint']}, of 5 files\); pass --overwrite to replace it, "
+                                            rf"or another --out_dir$"):
             prepare([str(tmp_path / "b")], str(out), shard=shard, workers=1, quiet=True)
         assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
     r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "b"), f"--out_dir={out}"],
@@ -227,12 +227,12 @@ def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsy
     right --encoding reads them."""
     (tmp_path / "ls").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
     with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'ls'))} holds NUL bytes in its first 8 KB, so "
-                                        rf"it is not text in utf-8; leave it out of the inputs"):
+                                        rf"it is not text in utf-8; leave it out$"):
         prepare([str(tmp_path / "ls")], str(tmp_path / "out"), workers=1, quiet=True)
     (tmp_path / "latin.txt").write_bytes("café naïve über, déjà vu\n".encode("latin-1"))
     manifest = prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, workers=1)
-    assert ("latin.txt: 5 characters are not utf-8 text and were read as U+FFFD; if the file is in another text "
-            "encoding, pass it, e.g. --encoding=latin-1") in capsys.readouterr().err
+    assert ("latin.txt: 5 characters are not utf-8 text, read as U+FFFD; pass its --encoding, e.g. latin-1\n"
+            in capsys.readouterr().err)
     assert split_documents(str(tmp_path / "out"), "train") == ["caf\ufffd na\ufffdve \ufffdber, d\ufffdj\ufffd vu\n"]
     assert prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out"), val_fraction=0, encoding="latin-1",
                    workers=1, overwrite=True)["fingerprint"] != manifest["fingerprint"]
@@ -243,8 +243,7 @@ def test_binary_input_is_refused_and_undecodable_text_is_counted(tmp_path, capsy
         prepare([str(tmp_path / "latin.jsonl")], str(tmp_path / "out3"), workers=1, quiet=True)
     args = data._parse_args(["--tokenizer=o200k_base", "--encoding=latin-1"])
     assert (args.tokenizer, args.encoding) == ("o200k_base", "latin-1")
-    with pytest.raises(DataError, match="encoding='nope' is not a text encoding Python knows; pass one such as "
-                                        "utf-8, latin-1 or cp1252"):
+    with pytest.raises(DataError, match="^encoding='nope' is not a text encoding Python knows; try latin-1$"):
         prepare([str(tmp_path / "latin.txt")], str(tmp_path / "out2"), encoding="nope", quiet=True)
     with pytest.raises(DataError, match=r"'o200k_base' is not a text encoding Python knows \(the tokenizer is "
                                         r"--tokenizer=o200k_base\)"):
@@ -358,8 +357,7 @@ def test_a_part_prepared_again_after_a_crash_writes_the_same_bytes(tmp_path, mon
         prepare(inputs, str(out), shard=(1, 2), **options)
     monkeypatch.undo()
     assert not os.path.exists(out / "part_000001.json") and os.path.exists(out / "train_000001_000000.bin")
-    with pytest.raises(DataError, match=r"lacks 1 of its 2 parts \(part 1\), not prepared yet or cut short; run the "
-                                        r"same prepare commands again \(finished parts are skipped\), then merge$"):
+    with pytest.raises(DataError, match=r"lacks 1 of its 2 parts \(part 1\); prepare them, then merge$"):
         data.merge(str(out))
     prepare(inputs, str(out), shard=(1, 2), **options)
     finished = {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out)}
@@ -391,8 +389,7 @@ def test_merge_refuses_parts_of_other_preparations_or_a_missing_part(tmp_path):
     (tmp_path / "tiny").mkdir()
     tok.save(str(tmp_path / "tiny" / "tokenizer.json"))
     (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    fix = ("; prepare every part with the same inputs and flags, into an --out_dir that holds no other preparation's "
-           "parts")
+    fix = "; prepare them with the same inputs and flags"
     for other, difference in [(dict(tokenizer=str(tmp_path / "tiny")), r"tokenizer 'tiny-[0-9a-f]{16}' against "
                                                                        r"'cl100k_base'"),
                               (dict(seed=1), "seed 1 against 0"),
@@ -418,9 +415,8 @@ def test_merge_refuses_an_extra_copy_of_a_part(tmp_path):
     out = tmp_path / "out"
     parts = prepare([str(tmp_path / "corpus")], str(out), part_bytes=3000, workers=1, quiet=True)["parts"]
     shutil.copy(out / "part_000000.json", out / f"part_{parts:06d}.json")
-    with pytest.raises(DataError, match=rf"^{re.escape(str(out / f'part_{parts:06d}.json'))} holds part 0 of a "
-                                        rf"{parts}-part preparation, not the part its name says; remove that copy, "
-                                        rf"then merge$"):
+    with pytest.raises(DataError, match=rf"^{re.escape(str(out / f'part_{parts:06d}.json'))} holds part 0 of "
+                                        rf"{parts}, not the part its name says; remove it$"):
         data.merge(str(out))
 
 
@@ -429,7 +425,7 @@ def test_shard_flag_is_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data._parse_args(["in.txt", "--shard=3"])
     assert "argument --shard: '3' is not I/N, e.g. 3/1000 for job 3 of 1000 (0 .. 999)" in capsys.readouterr().err
-    with pytest.raises(DataError, match="shard=4/4 must be I/N with 0 <= I < N, e.g. --shard=.SLURM_ARRAY_TASK_ID/"):
+    with pytest.raises(DataError, match="^shard=4/4 must be I/N with 0 <= I < N$"):
         prepare([str(tmp_path)], str(tmp_path / "out"), shard=(4, 4), quiet=True)
 
 
@@ -517,7 +513,7 @@ def test_val_fraction_zero_prepares_no_validation_split(tmp_path):
     assert manifest["splits"]["val"] == [] and manifest["documents"] == {"train": 10, "val": 0}
     assert manifest["tokens"]["val"] == 0 and split_documents(out, "train") == texts
     assert DataLoader(out, seq_len=16, global_batch=2).batch(0)[0].shape == (2, 16)
-    with pytest.raises(DataError, match="has no val split .*--val_fraction=0.*--val_fraction above 0"):
+    with pytest.raises(DataError, match="has no val split; prepare it with --val_fraction above 0$"):
         DataLoader(out, "val", seq_len=16, global_batch=2)
 
 
@@ -530,8 +526,8 @@ def test_cli_refuses_an_out_dir_it_cannot_write_before_tokenising(tmp_path, wher
     out = {"under_a_file": tmp_path / "file" / "out", "read_only": tmp_path / "read_only"}[where]
     r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "corpus"), "--out_dir", str(out)],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.startswith(f"error: cannot write the shards into out_dir '{out}' (")
-    assert r.stderr.endswith("pass an --out_dir you can create and write to\n") and r.stderr.count("\n") == 1
+    assert r.returncode == 2 and r.stderr.startswith(f"error: cannot write into out_dir '{out}' (")
+    assert r.stderr.endswith("; pass one you can write to\n") and r.stderr.count("\n") == 1
     assert os.listdir(tmp_path / "read_only") == []
 
 
@@ -869,7 +865,8 @@ def test_a_misnamed_data_or_tokenizer_says_what_was_meant(fake, tmp_path):
     with pytest.raises(DataError, match="^tokenizer 'gpt5' is not available; choose one of .*o200k_base.*, or pass "
                                         "the path of a Hugging Face tokenizer folder"):
         Mixture(fake, tokenizer="gpt5")
-    with pytest.raises(DataError, match="configured for o200k_base; prepare the data with --tokenizer=o200k_base or"):
+    with pytest.raises(DataError, match="configured for o200k_base; prepare the data with --tokenizer=o200k_base$"):
+
         Mixture(fake, tokenizer="o200k_base")
 
 
