@@ -10,18 +10,16 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
 
     python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
     python checkpoint.py export out/ckpt out/hf              # newest complete one (or step_N) -> HF folder + tokenizer
-    python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
-    python checkpoint.py export out/ckpt out/hf --dtype=float32  # full precision (default: bfloat16, as published)
+    python checkpoint.py export out/ckpt out/hf --overwrite --dtype=float32  # replace it once complete; full precision
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
-    python checkpoint.py sample out/ckpt --threads=1   # on a busy CPU: many times faster than a thread per core
+    python checkpoint.py sample out/ckpt --threads=1         # on a busy CPU: many times faster
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
     pending.wait()                                           # before the next save; pending.done(): written
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors})
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
 
-A Hugging Face folder is what transformers' save_pretrained writes (routed experts one tensor each, as published
-checkpoints); load_hf_into also reads the stacked experts transformers holds in memory (and earlier exports wrote).
+Exports hold routed experts one tensor each, as save_pretrained writes them; imports also read them stacked.
 """
 
 import argparse
@@ -38,7 +36,6 @@ import shutil
 import socket
 import struct
 import sys
-import tempfile
 import time
 import warnings
 from collections import namedtuple
@@ -58,16 +55,10 @@ if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 import data
@@ -103,19 +94,18 @@ def _hf_name(ours: str) -> str:
 
 
 def to_hf_state_dict(sd: dict) -> dict:
-    """Our state dict -> transformers' AfmoeForCausalLM state dict in memory (same tensors, renamed)."""
+    """Our state dict with transformers' AfmoeForCausalLM names (the same tensors)."""
     return {_hf_name(k): v for k, v in sd.items()}
 
 
 def _natural(name: str) -> list:
-    """transformers' order of state-dict names (numbers numerically), in which save_pretrained fills its files."""
+    """save_pretrained's order of names (numbers numerically), in which it fills its files."""
     return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
 
 
 def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tuple]]:
-    """[(Hugging Face name, where it lies in our tensor `ours` of `shape`: an int or a slice per dim)]. transformers
-    holds routed experts stacked only in memory; save_pretrained (and published checkpoints, and engines' loaders)
-    keep one gate_proj, up_proj and down_proj per expert (`per_expert`), in that order: gate then up for all."""
+    """[(Hugging Face name, its index in our tensor of `shape`: an int or a slice per dim)]. transformers stacks routed
+    experts only in memory; on disk (`per_expert`) each has a gate_proj, up_proj and down_proj, gate then up for all."""
     whole = tuple(slice(0, n) for n in shape)
     name = _hf_name(ours)
     m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", name)
@@ -129,13 +119,12 @@ def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tup
 
 
 def _piece_shape(index: tuple) -> tuple:
-    """The shape of the Hugging Face tensor at `index` in ours (an int drops its dim: one expert of the stack)."""
+    """The shape of the piece at `index` (an int drops its dim: one expert of the stack)."""
     return tuple(ix.stop - ix.start for ix in index if isinstance(ix, slice))
 
 
 def _overlap(index: tuple, offsets, sizes) -> tuple[tuple, tuple] | None:
-    """Where a piece at `index` (_hf_pieces) meets the block of our tensor at offsets/sizes: (the index into the
-    block, the index into the piece), or None where they do not meet."""
+    """Where the piece at `index` meets our block at offsets/sizes: (index into the block, into the piece), or None."""
     into_block, into_piece = [], []
     for ix, o, s in zip(index, offsets, sizes):
         start, stop = (ix, ix + 1) if isinstance(ix, int) else (ix.start, ix.stop)
@@ -188,11 +177,11 @@ def latest(ckpt_root: str) -> str | None:
 
 
 class CorruptCheckpoint(ValueError):
-    """A complete checkpoint with a file missing, truncated, unreadable or changed on disk (the message names it)."""
+    """A complete checkpoint with a file missing, truncated, unreadable or changed (the message names it)."""
 
 
 class SaveFailed(RuntimeError):
-    """A save that could not be written (the message says why); its partial files are removed."""
+    """A save that could not be written; its partial files are removed."""
 
 
 @contextmanager
@@ -210,9 +199,8 @@ def _together(world: int, errors: tuple = (OSError,)):
         raise next(f for f in failures if f)
 
 
-# DCP pickles .metadata, and pickle.load would call whatever a crafted file names: loading runs no code, as its metadata
-# holds these globals only (its dataclasses, torch's Size, layouts and dtypes, its path); any other damages the file.
-# Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none (the rest is JSON).
+# DCP pickles .metadata, and unpickling calls whatever a crafted file names: only the globals DCP's metadata holds
+# load. Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
                                               "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
@@ -232,7 +220,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, reading .metadata through _MetadataUnpickler."""
+    """DCP's file reader, unpickling .metadata through _MetadataUnpickler."""
 
     def read_metadata(self) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -243,10 +231,8 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True, named: bool = False):
-    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file: missing, a .distcp shorter than its
-    tensors, bad JSON or .metadata, without a sha256 in checksums.json, or (`contents`) a changed sha256. Every rank
-    calls it, hashing every world-th. `named`: the user named this very checkpoint, so files without a sha256 (deleted
-    checksums.json, or a checkpoint older than checksums) load unchecked, with a warning."""
+    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file; each rank hashes every world-th
+    (`contents`). `named`: the user named it, so files without a sha256 load unchecked, with a warning."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -290,8 +276,8 @@ def verify(path: str, contents: bool = True, named: bool = False):
             why = f"lists no sha256 of {files}" if has_checksums else "is missing"
             raise bad(CHECKSUMS, f"{why}; to load it unchecked, name this checkpoint itself")
         if unchecked and rank == 0:
-            warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named; restore "
-                          f"its {CHECKSUMS} to have it checked", stacklevel=2)
+            warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named",
+                          stacklevel=2)
         for name in sorted(checksums)[rank::world] if contents else []:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
@@ -301,8 +287,8 @@ def verify(path: str, contents: bool = True, named: bool = False):
 
 
 def load_latest(ckpt_root: str, state: dict, say=print, up_to: int | None = None) -> tuple[str | None, dict | None]:
-    """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`) that loads, saying which
-    damaged ones it skipped: (None, None) when there is none, CorruptCheckpoint when none loads."""
+    """load() the newest complete checkpoint under ckpt_root (of step <= `up_to`) that loads, saying which it skipped:
+    (None, None) when there is none, CorruptCheckpoint when none loads."""
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
@@ -310,8 +296,8 @@ def load_latest(ckpt_root: str, state: dict, say=print, up_to: int | None = None
         except CorruptCheckpoint as e:
             say(f"{e} Skipping it, trying the previous checkpoint.")
     if complete:
-        raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads (see "
-                                f"above); start again with --resume=none --overwrite, or restore the files.")
+        raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads; restore "
+                                f"their files, or start again with --resume=none --overwrite.")
     return None, None
 
 
@@ -327,16 +313,14 @@ def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a checkpoint directory (OUT_DIR/"
-                                f"checkpoints/step_N) or the checkpoints folder for its newest complete one.")
+        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a step_N directory or their folder.")
     if _STEP_RE.fullmatch(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, ".metadata")):
         newest = latest(os.path.dirname(os.path.normpath(path)))
-        raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "
-                         f"use {newest or 'an earlier, complete checkpoint'} instead.")
+        raise ValueError(f"checkpoint {path} is incomplete (its save was cut short); use {newest or 'a complete one'} "
+                         f"instead.")
     found = latest(path)
     if found is None:
-        raise FileNotFoundError(f"{path} holds no complete checkpoint (a step_NNNNNNNN directory with a {MARKER} "
-                                f"file); train with checkpointing on first.")
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (step_N with a {MARKER} file); train first.")
     return found
 
 
@@ -356,11 +340,11 @@ def _resolved_config(config: dict) -> dict:
     """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
     m = config.get("model")
     if m is not None and not isinstance(m, (dict, ModelConfig)):
-        raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
+        raise TypeError(f"config['model'] must be a ModelConfig or its dict, not a {type(m).__name__}.")
     return {**config, "model": asdict(m)} if isinstance(m, ModelConfig) else config
 
 
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
+_OPTIONS = dsd.StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
 
 
 def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
@@ -370,7 +354,7 @@ def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
 
 def _state_dicts(state: dict) -> tuple[dict, dict, dict]:
     """`state` as ({"model", "optim", "train": tensors by name, for DCP}, the optimizer's rest, the train state's)."""
-    model_sd, optim_sd = get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
+    model_sd, optim_sd = dsd.get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
     optim_tensors, optim_rest = _tensors_and_rest(optim_sd)
     train_tensors, train_rest = _tensors_and_rest(state.get("train") or {})
     return {"model": model_sd, "optim": optim_tensors, "train": train_tensors}, optim_rest, train_rest
@@ -390,8 +374,8 @@ def _first_failure(e: BaseException) -> tuple[int | None, str]:
 
 
 def _no_space(folder: str, code: int | None, needed: int) -> str | None:
-    """'no space left on FOLDER (N MiB free)' when a write of `needed` bytes into FOLDER failed for lack of room: the
-    errno says so, or less is free (torch's zip writer and safetensors drop the errno)."""
+    """'no space left on FOLDER (N MiB free)' if a write of `needed` bytes there failed for lack of room: the errno
+    says so, or less is free (torch's zip writer and safetensors drop the errno); else None."""
     while not os.path.isdir(folder):  # a folder the failed write could not create: its disk is the parent's
         folder = os.path.dirname(folder) or "."
     free = shutil.disk_usage(folder).free
@@ -441,8 +425,8 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
-    """Rank 0, once every rank has written its files: write their checksums, mark step_N.tmp complete, rename it
-    step_N, delete this run's (config "run_id") complete checkpoints beyond the newest `keep` and older killed saves."""
+    """Rank 0, once every rank has written: write the checksums and the marker, rename step_N.tmp to step_N, and
+    delete this run's (config "run_id") complete checkpoints beyond the newest `keep` and older killed saves."""
     def run_id(path: str):  # None for an unreadable config.json
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
@@ -531,7 +515,7 @@ def _json(obj, what: str) -> str:
         if is_dataclass(value):
             return asdict(value)
         raise TypeError(f"the checkpoint's {what} holds {value!r} of type {type(value).__name__}, which JSON cannot "
-                        f"store; use numbers, strings, lists, dicts or (in the train state) tensors.")
+                        f"store; use numbers, strings, lists or dicts (or tensors, in train).")
     return json.dumps(obj, indent=1, default=refuse)
 
 
@@ -549,14 +533,13 @@ def _expect_tensors(path: str, entries: dict, wanted: dict):
 
 
 def load(path: str, state: dict) -> dict:
-    """Load checkpoint `path` (or a root's newest) in place into state's "model", "optim" and "train" tensors, any
-    layout, on every rank; return the train state's other values. Its settings are train.py's to compare."""
+    """Load checkpoint `path` (or a root's newest), any layout, in place into state's "model", "optim" and "train"
+    tensors on every rank; return the train state's other values."""
     resolved = _resolve(path)
     return _load(resolved, state, named=resolved == path)
 
 
 def _load(path: str, state: dict, named: bool) -> dict:
-    """load() of complete checkpoint `path`; `named`: the user named it, so it may lack checksums (see verify)."""
     verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
     tensors, optim_rest, _ = _state_dicts(state)
@@ -565,11 +548,10 @@ def _load(path: str, state: dict, named: bool) -> dict:
     wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
     missing = [k for k in wanted if k not in saved_meta]
     if missing:
-        hint = ("it was saved without optimizer state; pass no optimizer or start a new one"
-                if all(k.startswith("optim.") for k in missing) else
-                "it was written by an earlier version, whose train state was JSON; export it (checkpoint.py export) "
-                "and start from it with --init_from_hf" if all(k.startswith("train.") for k in missing) else
-                "was it saved from another model?")
+        groups = {k.split(".")[0] for k in missing}
+        hint = ("it was saved without optimizer state; load no optimizer" if groups == {"optim"} else
+                "its train state is older JSON; export it and start from that with --init_from_hf"
+                if groups == {"train"} else "was it saved from another model?")
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this run needs, e.g. "
                          f"{', '.join(missing[:3])}; {hint}.")
     _expect_tensors(path, saved_meta, wanted)
@@ -579,8 +561,8 @@ def _load(path: str, state: dict, named: bool) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
     optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
-    set_state_dict(state["model"], state.get("optim") or [], model_state_dict=tensors["model"],
-                   optim_state_dict=optim_sd, options=_OPTIONS)
+    dsd.set_state_dict(state["model"], state.get("optim") or [], model_state_dict=tensors["model"],
+                       optim_state_dict=optim_sd, options=_OPTIONS)
     for name, tensor in tensors["train"].items():  # DCP loaded into copies where the layout differs
         state["train"][name].copy_(tensor)
     return saved_state["train"]
@@ -599,14 +581,13 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
     if held and not overwrite:
         what = "another model" if "config.json" in held else "other files"
         raise ValueError(f"{out_dir} already holds {what} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
-                         f"pass --overwrite to replace it once the new export is complete, or export to another "
-                         f"folder.")
+                         f"pass --overwrite to replace it, or export to another folder.")
 
 
 @contextmanager
 def _export_lock(out_dir: str):
-    """Held while an export into out_dir runs; a second export into it meanwhile is refused in one sentence. It is a
-    flock on a file beside out_dir, so the OS frees it when its process dies, however it dies."""
+    """Held while an export into out_dir runs; a second one meanwhile is refused. It is a flock on a file beside
+    out_dir, so the OS frees it when its process dies, however it dies."""
     parent, base = os.path.split(os.path.abspath(out_dir))
     path = os.path.join(parent, f".{base}.lock")
     while True:
@@ -618,12 +599,9 @@ def _export_lock(out_dir: str):
             os.close(fd)
             raise ValueError(f"another export into {out_dir} is running ({holder or 'starting'}); wait for it to "
                              f"finish, or export to another folder.") from None
-        try:
-            current = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)  # locked a file its holder removed as it finished: lock the one at `path` now
     try:
         os.ftruncate(fd, 0)
@@ -634,17 +612,16 @@ def _export_lock(out_dir: str):
         os.close(fd)
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-EXPORT_DTYPES = ("bfloat16", "float32")
+DTYPES = {"bfloat16": "BF16", "float32": "F32"}  # exported dtypes: their safetensors names
 
 
 def _write_safetensors(path: str, tensors: dict):
     """A safetensors file, durably, each tensor written from its own memory (safetensors' save_file first copies
-    every tensor into bytes: a second copy of the file in memory). In name order, as safetensors lays them out."""
+    them all into bytes: a second copy of the file in memory). In name order, as safetensors lays them out."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name in sorted(tensors):
         t = tensors[name]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":"))
@@ -654,9 +631,9 @@ def _write_safetensors(path: str, tensors: dict):
 
 
 def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: int) -> list[list]:
-    """`pieces` in files as save_pretrained splits them, in order: a new file where the next unit would pass
-    `max_bytes`; a unit over it alone in a file, placed before the one being filled. A unit is a tensor, or one
-    projection of a layer's routed experts: transformers cuts those from one tensor and keeps one storage's together."""
+    """`pieces` in files as save_pretrained splits them: a new file where the next unit would pass `max_bytes`; a
+    unit over it alone, before the file being filled. A unit is a tensor, or one projection of a layer's routed
+    experts: transformers cuts those from one tensor and keeps one storage's together."""
     shards, filling, size = [], [], 0
     for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
         unit = list(unit)
@@ -688,10 +665,8 @@ def _model_entries(path: str, cfg: ModelConfig) -> dict:
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False, dtype: str = "bfloat16") -> str:
     """Write what transformers' save_pretrained writes for checkpoint `ckpt_path`'s (or a root's newest) model in
-    `dtype`: its files, tensor names, shapes and dtypes (routed experts one tensor each), config.json and
-    generation_config.json, plus the tokenizer (by default the data's); beside out_dir, moved there once complete.
-    One process reads the checkpoint of any layout a file's tensors at a time, cast to `dtype` as they are read, and
-    writes each tensor from there; returns the checkpoint."""
+    `dtype`, plus the tokenizer (by default the data's), beside out_dir, moved there once complete. Reads a file's
+    tensors at a time, of any layout, cast as they are read; returns the checkpoint."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     out_dir = os.path.normpath(out_dir)
     parent, base = os.path.split(os.path.abspath(out_dir))
@@ -702,33 +677,33 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
         enc = None if tokenizer is None else data.get_encoding(tokenizer)
         if enc is None:
-            warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data "
-                          f"was prepared with (--tokenizer)", stacklevel=2)
+            warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass --tokenizer",
+                          stacklevel=2)
         elif enc.n_vocab > cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
-                             f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
+                             f"{cfg.vocab_size}; pass its data's tokenizer with --tokenizer.")
         meta = _model_entries(path, cfg)
-        names = list(meta)
         torch_dtype = getattr(torch, dtype)
-        pieces = [(hf, ours, index) for ours in sorted(names, key=lambda n: _natural(_hf_name(n)))
+        pieces = [(hf, ours, index) for ours in sorted(meta, key=lambda n: _natural(_hf_name(n)))
                   for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
         numel = {hf: math.prod(_piece_shape(index)) for hf, _, index in pieces}
         shards = _save_pretrained_split(pieces, numel, torch_dtype.itemsize, max_shard_bytes)
         files = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
         source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
                   "run_id": saved_config.get("run_id")}
-        eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
         # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
         hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
         total = sum(numel.values())
-        # What killed exports into out_dir left (none is running: this one holds the lock); mkdtemp's part has no dot.
+        # What killed exports into out_dir left (none is running: this one holds the lock)
         for name in os.listdir(parent):
             if re.fullmatch(rf"\.{re.escape(base)}\.export\.[^.]+\.tmp", name):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=f".{base}.export.", suffix=".tmp", dir=parent)
+        tmp = os.path.join(parent, f".{base}.export.{os.getpid()}.tmp")
         old = os.path.join(parent, f".{base}.old")
         try:
+            os.makedirs(tmp)
             for file, shard in zip(files, shards):
                 sd = {f"model.{ours}": torch.empty(meta[ours].size, dtype=torch_dtype) for _, ours, _ in shard}
                 dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
@@ -744,7 +719,6 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
             data.write_durably(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": eos}))
             if enc is not None:
                 data.save_hf_tokenizer(tokenizer, tmp)
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
             shutil.rmtree(old, ignore_errors=True)
             if os.path.isdir(out_dir):  # empty, or replaced with overwrite: kept until the new export is in place
                 os.rename(out_dir, old)
@@ -754,23 +728,14 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
             full = _no_space(parent, _first_failure(e)[0], total * torch_dtype.itemsize)
             if full is None:
                 raise
-            raise SaveFailed(f"{full}: the export to {out_dir} was not written (its partial files are removed); "
-                             f"{out_dir} is unchanged.") from None
+            raise SaveFailed(f"{full}: the export to {out_dir} was not written; {out_dir} is unchanged.") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
-def _umask() -> int:
-    """This process's umask (reading it sets it: it is set back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _weight_files(hf_dir: str) -> dict[str, str]:
-    """{tensor name: path of its file} of a Hugging Face folder: sharded with model.safetensors.index.json, or one
-    model.safetensors."""
+    """{tensor name: its file's path} of a Hugging Face folder, sharded (with an index) or one model.safetensors."""
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
         weight_map = _read_json(hf_dir, "model.safetensors.index.json")["weight_map"]
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
@@ -797,12 +762,10 @@ def hf_config(hf_dir: str) -> ModelConfig:
 
 def load_hf_into(model, hf_dir: str) -> int:
     """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, its routed experts one tensor
-    each (as save_pretrained writes them) or stacked (as transformers holds them, and earlier exports wrote them).
-    Each rank reads only the rows of its own shards (under expert parallelism: its own experts' tensors); returns the
-    bytes of tensor data this rank read."""
+    each or stacked. Each rank reads only its own shards' rows; returns the bytes of tensor data it read."""
     hf_config(hf_dir)  # config.json and the weight files the index names are there
     files = _weight_files(hf_dir)
-    tensors = get_model_state_dict(model, options=_OPTIONS)
+    tensors = dsd.get_model_state_dict(model, options=_OPTIONS)
     with ExitStack() as stack:  # safe_open reads a file's header; get_slice then reads only the bytes asked for
         opened = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
         on_disk = {name: opened[path].get_slice(name) for name, path in files.items()}
@@ -831,7 +794,7 @@ def load_hf_into(model, hf_dir: str) -> int:
             block = block.to(local(v).device)
             tensors[k] = (DTensor.from_local(block, v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
                           if chunk else block)
-    set_model_state_dict(model, tensors, options=_OPTIONS)
+    dsd.set_model_state_dict(model, tensors, options=_OPTIONS)
     return read
 
 
@@ -852,8 +815,7 @@ def _ls(ckpt_root: str):
                 status = "damaged"
         print(f"{e.step:>10}  {status:<10}  {size / 2**20:>7.1f} MB  {e.path}")
     if entries:
-        print("partial: a save in progress or killed; incomplete: no COMPLETE marker; damaged: a file missing, "
-              "truncated or unreadable. Only complete ones are loaded, once their files' checksums match.")
+        print("partial: a save running or killed; incomplete: no COMPLETE marker; damaged: a file bad or missing")
 
 
 def sampling_model(path: str, device: torch.device):
@@ -908,8 +870,8 @@ _SAMPLE_FLAGS = [  # flag, type, default, rule, help
     ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
     ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
     ("--seed", int, 0, None, "the same seed gives the same samples"),
-    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"), "CPU threads (0: torch's, one per core); on a "
-     "busy machine 1 can be many times faster, as threads waiting for a core stall each other")]
+    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"),
+     "CPU threads (0: one per core); on a busy machine 1 can be many times faster")]
 
 
 def _sample(args):
@@ -927,8 +889,7 @@ def _sample(args):
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
         p.data = p.data.to(dtype)
     if args.prompt_ids is None and tokenizer is None:
-        raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
-                         f"--prompt_ids=1,2,3.")
+        raise ValueError(f"{why_none}, so --prompt cannot be encoded; give token ids with --prompt_ids=1,2,3.")
     # "<|endoftext|>" in a prompt is that token, the boundary before a new document, as in the training data
     ids = tokenizer.encode(args.prompt, allowed_special="all") if args.prompt_ids is None else args.prompt_ids
     V = model.cfg.vocab_size
@@ -964,14 +925,13 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=above(0).parse(float), default=5.0, help="largest file (default 5 GiB)")
     p.add_argument("--tokenizer", help="tiktoken name or Hugging Face tokenizer folder (default: the data's)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR's files once the new export is complete")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
-                   help="the weights' dtype (default: bfloat16, as published; float32 keeps a float32 run exact)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default: bfloat16, as published")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root or a Hugging Face afmoe folder")
     for flag, kind, default, _, text in _SAMPLE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a flag: named as the subcommand's closest; an extra argument: refused as argparse would
         refuse_unknown(parser, unknown, sub.choices[args.command])

@@ -616,8 +616,8 @@ def test_export_replaces_nothing_until_it_is_complete(tmp_path, capsys):
     save(str(root), 4, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
     assert checkpoint.main(["export", str(root), str(hf)]) == 2
     assert capsys.readouterr().err == (f"checkpoint.py: error: {hf} already holds another model (config.json, "
-                                       f"generation_config.json, model.safetensors); pass --overwrite to replace it "
-                                       f"once the new export is complete, or export to another folder.\n")
+                                       f"generation_config.json, model.safetensors); pass --overwrite to replace it, "
+                                       f"or export to another folder.\n")
     # A damaged checkpoint exported over it: one sentence, and the earlier export is intact.
     file = flip_a_bit(root / "step_00000004", model.head.weight)
     assert checkpoint.main(["export", str(root), str(hf), "--overwrite"]) == 2
@@ -686,8 +686,8 @@ def test_a_full_disk_is_said_in_clear_words(small_disk, tmp_path, capsys):
     save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
     assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(small_disk / "hf"), "--dtype=float32"]) == 2
     assert re.fullmatch(re.escape(f"checkpoint.py: error: no space left on {small_disk} (") + r"\d+\.\d MiB free\): " +
-                        re.escape(f"the export to {small_disk / 'hf'} was not written (its partial files are "
-                                  f"removed); {small_disk / 'hf'} is unchanged.\n"), capsys.readouterr().err)
+                        re.escape(f"the export to {small_disk / 'hf'} was not written; {small_disk / 'hf'} is "
+                                  f"unchanged.\n"), capsys.readouterr().err)
     assert os.listdir(small_disk) == ["ckpt"]
 
 
@@ -733,8 +733,8 @@ def test_cli(tmp_path, capsys):
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a checkpoint directory "
-        f"(OUT_DIR/checkpoints/step_N) or the checkpoints folder for its newest complete one."]
+        f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a step_N directory or "
+        f"their folder."]
     for args, says in [(["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
                        (["ls", str(tmp_path / "nowhere")], "does not exist")]:
         assert checkpoint.main(args) == 2
