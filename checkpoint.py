@@ -15,11 +15,9 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
     python checkpoint.py sample out/ckpt --threads=1         # on a busy CPU: many times faster
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
-    pending.wait()                                           # before the next save; pending.done(): written
+    pending.wait()                                           # before the next save
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors})
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
-
-Exports hold routed experts one tensor each, as save_pretrained writes them; imports also read them stacked.
 """
 
 import argparse
@@ -62,8 +60,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 import data
-from model import POSITIVE, ModelConfig, Rule, above, at_least, meta_model, refuse_unknown
-from parallel import local, rank_world
+from model import POSITIVE, ModelConfig, Parser, Rule, above, at_least, check, meta_model, option, refuse_unknown
+from parallel import gathered, local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -96,11 +94,6 @@ def _hf_name(ours: str) -> str:
 def to_hf_state_dict(sd: dict) -> dict:
     """Our state dict with transformers' AfmoeForCausalLM names (the same tensors)."""
     return {_hf_name(k): v for k, v in sd.items()}
-
-
-def _natural(name: str) -> list:
-    """save_pretrained's order of names (numbers numerically), in which it fills its files."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
 
 
 def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tuple]]:
@@ -160,7 +153,6 @@ _Entry = namedtuple("_Entry", "step path complete tmp")  # tmp: a save in progre
 
 
 def _scan(ckpt_root: str) -> list[_Entry]:
-    """Every step directory under ckpt_root, by step."""
     found = []
     for name in os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []:
         m = _STEP_RE.fullmatch(name)
@@ -185,30 +177,25 @@ class SaveFailed(RuntimeError):
 
 
 @contextmanager
-def _together(world: int, errors: tuple = (OSError,)):
+def _together(errors: tuple = (OSError,)):
     """Every rank raises the first rank's `errors` from the block: none waits in a collective others skip."""
     failure = None
     try:
         yield
     except errors as e:
         failure = e
-    failures = [failure] * world
-    if world > 1:
-        dist.all_gather_object(failures, failure)
+    failures = gathered(failure)
     if any(failures):
         raise next(f for f in failures if f)
 
 
-# DCP pickles .metadata, and unpickling calls whatever a crafted file names: only the globals DCP's metadata holds
-# load. Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none.
+# DCP pickles .metadata, and unpickling calls whatever a crafted file names: only the globals its metadata holds are
+# allowed. Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none.
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
-                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
-                                              "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath"}}
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties", "StorageMeta",
+                                              "ChunkStorageMetadata", "MetadataIndex", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+    "torch": {"Size"}, "pathlib": {"PosixPath", "WindowsPath"}}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -220,8 +207,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, unpickling .metadata through _MetadataUnpickler."""
-
     def read_metadata(self) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -248,7 +233,7 @@ def verify(path: str, contents: bool = True, named: bool = False):
         return value
 
     rank, world = rank_world()
-    with _together(world, (CorruptCheckpoint,)):
+    with _together((CorruptCheckpoint,)):
         read("config.json")
         state = read("state.json")
         if not (isinstance(state.get("step"), int) and isinstance(state.get("train"), dict)):
@@ -292,12 +277,12 @@ def load_latest(ckpt_root: str, state: dict, say=print, up_to: int | None = None
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
-            return path, _load(path, state, named=False)
+            return path, load(path, state, named=False)
         except CorruptCheckpoint as e:
             say(f"{e} Skipping it, trying the previous checkpoint.")
     if complete:
         raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads; restore "
-                                f"their files, or start again with --resume=none --overwrite.")
+                                f"their files or pass --resume=none --overwrite.")
     return None, None
 
 
@@ -335,14 +320,6 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
 
 
 # --- Saving and loading training checkpoints
-
-def _resolved_config(config: dict) -> dict:
-    """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
-    m = config.get("model")
-    if m is not None and not isinstance(m, (dict, ModelConfig)):
-        raise TypeError(f"config['model'] must be a ModelConfig or its dict, not a {type(m).__name__}.")
-    return {**config, "model": asdict(m)} if isinstance(m, ModelConfig) else config
-
 
 _OPTIONS = dsd.StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
 
@@ -466,32 +443,30 @@ class PendingSave:
         if self.completed:
             return
         self.completed = True
-        rank, world = rank_world()
         with _failing_cleanly(self.ckpt_root, self.step, self.needed):
             self.future.result()
-            checksums = [self.writer.checksums] * world
-            if world > 1:
-                dist.all_gather_object(checksums, self.writer.checksums)  # also: every rank has written its files
-            with _together(world):  # no rank moves on before the checkpoint is complete for all
-                if rank == 0:
+            checksums = gathered(self.writer.checksums)  # also: every rank has written its files
+            with _together():  # no rank moves on before the checkpoint is complete for all
+                if rank_world()[0] == 0:
                     _commit(self.ckpt_root, self.step, self.keep, {k: v for c in checksums for k, v in c.items()})
 
 
-def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
-         async_save: bool = False) -> PendingSave:
-    """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks: tensors to DCP, the rest to state.json). Returns once the tensors
-    are staged on the CPU (async_save) or complete; SaveFailed if a write fails."""
+def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3, async_save: bool = False) -> PendingSave:
+    """Write `ckpt_root/step_{step:08d}` on every rank, keeping this run's newest `keep` (<= 0: all). state: "model",
+    "optim" (or None), "train" (alike on all ranks; tensors to DCP, the rest to state.json). Returns once the tensors
+    are staged on the CPU (async_save) or written."""
     rank, world = rank_world()
     tensors, optim_rest, train = _state_dicts(state)
-    # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
-    texts = {"config.json": _json(_resolved_config(config), "config"),
+    # Bad input fails here, on every rank, before any collective starts.
+    if not isinstance(config.get("model"), (dict, ModelConfig, type(None))):
+        raise TypeError(f"config['model'] must be a ModelConfig or its dict, not a {type(config['model']).__name__}.")
+    texts = {"config.json": _json(config, "config"),
              "state.json": _json({"step": step, "world_size": world, "train": train, "optim": optim_rest}, "train")}
     needed = sum(local(t).nbytes for sd in tensors.values() for t in sd.values())
     tmp = abandon(ckpt_root, step)  # what a killed save of this step left
     writer = _Writer(tmp)
     with _failing_cleanly(ckpt_root, step, needed):
-        with _together(world):
+        with _together():
             if rank == 0:
                 os.makedirs(tmp)
                 for name, text in texts.items():
@@ -510,9 +485,8 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
 
 
 def _json(obj, what: str) -> str:
-    """obj as JSON text, or one sentence naming what in `what` is not JSON."""
     def refuse(value):
-        if is_dataclass(value):
+        if is_dataclass(value):  # a ModelConfig
             return asdict(value)
         raise TypeError(f"the checkpoint's {what} holds {value!r} of type {type(value).__name__}, which JSON cannot "
                         f"store; use numbers, strings, lists or dicts (or tensors, in train).")
@@ -532,15 +506,12 @@ def _expect_tensors(path: str, entries: dict, wanted: dict):
                                     f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is expected.")
 
 
-def load(path: str, state: dict) -> dict:
+def load(path: str, state: dict, named: bool = True) -> dict:
     """Load checkpoint `path` (or a root's newest), any layout, in place into state's "model", "optim" and "train"
-    tensors on every rank; return the train state's other values."""
-    resolved = _resolve(path)
-    return _load(resolved, state, named=resolved == path)
-
-
-def _load(path: str, state: dict, named: bool) -> dict:
-    verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
+    tensors on every rank; return the train state's other values. `named`: as verify's, unless `path` is a root."""
+    given = path
+    path = _resolve(path)
+    verify(path, named=named and path == given)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
     tensors, optim_rest, _ = _state_dicts(state)
     reader = _Reader(path)
@@ -571,7 +542,6 @@ def _load(path: str, state: dict, named: bool) -> dict:
 # --- Hugging Face folders: export a checkpoint, import a model to start from
 
 def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
-    """Refuse an out_dir that is a file, holds the checkpoint or (unless `overwrite`) holds files."""
     out = os.path.realpath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out_dir} is a file; give a folder to export to.")
@@ -586,8 +556,7 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
 
 @contextmanager
 def _export_lock(out_dir: str):
-    """Held while an export into out_dir runs; a second one meanwhile is refused. It is a flock on a file beside
-    out_dir, so the OS frees it when its process dies, however it dies."""
+    """Refuses other exports into out_dir while held: a flock on a file beside it, freed however its process dies."""
     parent, base = os.path.split(os.path.abspath(out_dir))
     path = os.path.join(parent, f".{base}.lock")
     while True:
@@ -616,8 +585,7 @@ DTYPES = {"bfloat16": "BF16", "float32": "F32"}  # exported dtypes: their safete
 
 
 def _write_safetensors(path: str, tensors: dict):
-    """A safetensors file, durably, each tensor written from its own memory (safetensors' save_file first copies
-    them all into bytes: a second copy of the file in memory). In name order, as safetensors lays them out."""
+    """safetensors' save_file, durably, without first copying every tensor into bytes (a second copy in memory)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -632,8 +600,7 @@ def _write_safetensors(path: str, tensors: dict):
 
 def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: int) -> list[list]:
     """`pieces` in files as save_pretrained splits them: a new file where the next unit would pass `max_bytes`; a
-    unit over it alone, before the file being filled. A unit is a tensor, or one projection of a layer's routed
-    experts: transformers cuts those from one tensor and keeps one storage's together."""
+    unit over it alone, first. A unit is a tensor or one projection of a layer's experts (one storage in memory)."""
     shards, filling, size = [], [], 0
     for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
         unit = list(unit)
@@ -684,7 +651,9 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
                              f"{cfg.vocab_size}; pass its data's tokenizer with --tokenizer.")
         meta = _model_entries(path, cfg)
         torch_dtype = getattr(torch, dtype)
-        pieces = [(hf, ours, index) for ours in sorted(meta, key=lambda n: _natural(_hf_name(n)))
+        # save_pretrained fills its files in name order, numbers numerically
+        natural = sorted(meta, key=lambda n: [(0, int(w)) if w.isdigit() else (1, w) for w in _hf_name(n).split(".")])
+        pieces = [(hf, ours, index) for ours in natural
                   for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
         numel = {hf: math.prod(_piece_shape(index)) for hf, _, index in pieces}
         shards = _save_pretrained_split(pieces, numel, torch_dtype.itemsize, max_shard_bytes)
@@ -693,7 +662,7 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
         source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
                   "run_id": saved_config.get("run_id")}
-        # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
+        # transformers 5 reads "dtype"; earlier versions and the engines that use them, "torch_dtype"
         hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
         total = sum(numel.values())
         # What killed exports into out_dir left (none is running: this one holds the lock)
@@ -735,7 +704,6 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
 
 
 def _weight_files(hf_dir: str) -> dict[str, str]:
-    """{tensor name: its file's path} of a Hugging Face folder, sharded (with an index) or one model.safetensors."""
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
         weight_map = _read_json(hf_dir, "model.safetensors.index.json")["weight_map"]
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
@@ -778,8 +746,8 @@ def load_hf_into(model, hf_dir: str) -> int:
                  for p in pieces.values() for name, index in p
                  if tuple(on_disk[name].get_shape()) != _piece_shape(index)]
         if wrong:
-            raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
-                             f"of this model's config, or drop the flags that change it.")
+            raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); drop the flags that "
+                             f"change this model's config.")
         read = 0
         for k, v in tensors.items():
             chunk = v.__create_chunk_list__()[0] if isinstance(v, DTensor) else None  # this rank's block of v
@@ -825,7 +793,7 @@ def sampling_model(path: str, device: torch.device):
         load_hf_into(model, path)
         tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     else:
-        given = path  # a checkpoint the user names loads without checksums, with a warning; a root's newest does not
+        given = path  # a checkpoint the user names may lack checksums; a root's newest may not
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
         load(given, {"model": model})
@@ -840,10 +808,7 @@ def sampling_model(path: str, device: torch.device):
 
 def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
     """row through the first stop_id at or after `start` (a sample through its end-of-text), else all."""
-    try:
-        return row[:row.index(stop_id, start) + 1]
-    except ValueError:
-        return row
+    return row[:row.index(stop_id, start) + 1] if stop_id in row[start:] else row
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -860,62 +825,62 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
 
 
-_SAMPLE_FLAGS = [  # flag, type, default, rule, help
-    ("--prompt", str, "", None, "text to continue"),
-    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)"),
-    ("--temperature", float, 0.8, at_least(0, "0 (greedy) or more"), "softmax temperature; 0 is greedy"),
-    ("--top_k", int, 50, at_least(0, "0 (off) or more"), "sample among the k most likely tokens (0: all)"),
-    ("--top_p", float, 1.0, Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"),
-     "sample among the most likely tokens whose probability reaches p (1: all)"),
-    ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
-    ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
-    ("--seed", int, 0, None, "the same seed gives the same samples"),
-    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"),
-     "CPU threads (0: one per core); on a busy machine 1 can be many times faster")]
+@dataclass
+class Sampling:
+    """The sample command's flags."""
+    prompt: str = option("", "text to continue")
+    prompt_ids: list | None = option(None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)",
+                                     parse=_token_ids)
+    temperature: float = option(0.8, "softmax temperature; 0 is greedy", at_least(0, "0 (greedy) or more"))
+    top_k: int = option(50, "sample among the k most likely tokens (0: all)", at_least(0, "0 (off) or more"))
+    top_p: float = option(1.0, "sample among the most likely tokens whose probability reaches p (1: all)",
+                          Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"))
+    max_new_tokens: int = option(64, "tokens generated after the prompt", POSITIVE)
+    num_samples: int = option(1, "continuations of the prompt, generated as one batch", POSITIVE)
+    seed: int = option(0, "the same seed gives the same samples")
+    threads: int = option(0, "CPU threads (0: one per core); on a busy machine 1 can be many times faster",
+                          at_least(0, "0 (torch's default) or more"))
 
 
 def _sample(args):
-    problems = [f"{flag}={getattr(args, flag[2:])} must be {rule.words}" for flag, _, _, rule, _ in _SAMPLE_FLAGS
-                if rule and not rule.ok(getattr(args, flag[2:]), args)]
-    if problems:
-        raise ValueError("; ".join(problems) + ".")
+    opt = Sampling(**{f.name: getattr(args, f.name) for f in fields(Sampling) if f.name in args})
+    check(opt)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if opt.threads:
+        torch.set_num_threads(opt.threads)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
         p.data = p.data.to(dtype)
-    if args.prompt_ids is None and tokenizer is None:
+    if opt.prompt_ids is None and tokenizer is None:
         raise ValueError(f"{why_none}, so --prompt cannot be encoded; give token ids with --prompt_ids=1,2,3.")
     # "<|endoftext|>" in a prompt is that token, the boundary before a new document, as in the training data
-    ids = tokenizer.encode(args.prompt, allowed_special="all") if args.prompt_ids is None else args.prompt_ids
+    ids = tokenizer.encode(opt.prompt, allowed_special="all") if opt.prompt_ids is None else opt.prompt_ids
     V = model.cfg.vocab_size
     if not ids or not all(0 <= t < V for t in ids):
         raise ValueError(f"the prompt must be 1 or more token ids in [0, {V}), not {ids}; give --prompt or "
                          f"--prompt_ids.")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(opt.seed)
     allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
     stop_id = getattr(tokenizer, "eot_token", None)  # a row ends at its tokenizer's end-of-text, shown
     t0 = time.time()
-    rows = model.generate(torch.tensor([ids] * args.num_samples, device=device), args.max_new_tokens,
-                          args.temperature, args.top_k or None, args.top_p, allowed_V, stop_id).tolist()  # waits
+    rows = model.generate(torch.tensor([ids] * opt.num_samples, device=device), opt.max_new_tokens,
+                          opt.temperature, opt.top_k or None, opt.top_p, allowed_V, stop_id).tolist()  # waits
     seconds = time.time() - t0
     steps = len(rows[0]) - len(ids)
     for i, row in enumerate(rows):
         row = up_to_stop(row, len(ids), stop_id)
-        print(f"--- sample {i + 1}/{args.num_samples}")
+        print(f"--- sample {i + 1}/{opt.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
     on = f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
-    print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "
-          f"on {on}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}", file=sys.stderr)
+    print(f"{opt.num_samples} x {steps} tokens in {seconds:.2f}s ({opt.num_samples * steps / seconds:.1f} tokens/s "
+          f"on {on}){'; every sample reached end-of-text' if steps < opt.max_new_tokens else ''}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
-                                     allow_abbrev=False)
+    parser = Parser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export,sample}")
     sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size").add_argument(
         "ckpt_root", metavar="CKPT_ROOT")
@@ -928,8 +893,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default: bfloat16, as published")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root or a Hugging Face afmoe folder")
-    for flag, kind, default, _, text in _SAMPLE_FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_settings(Sampling)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
