@@ -10,18 +10,14 @@ layout reads them back; the rest is JSON. No RNG state is saved: training draws 
 
     python checkpoint.py ls out/ckpt                         # step, complete or not, size of each checkpoint
     python checkpoint.py export out/ckpt out/hf              # newest complete one (or step_N) -> HF folder + tokenizer
-    python checkpoint.py export out/ckpt out/hf --overwrite  # replace an earlier export, once the new one is complete
-    python checkpoint.py export out/ckpt out/hf --dtype=float32  # full precision (default: bfloat16, as published)
+    python checkpoint.py export out/ckpt out/hf --overwrite --dtype=float32  # replace it once complete; full precision
     python checkpoint.py sample out/ckpt --prompt="def " --max_new_tokens=64   # or a Hugging Face folder
-    python checkpoint.py sample out/ckpt --threads=1   # on a busy CPU: many times faster than a thread per core
+    python checkpoint.py sample out/ckpt --threads=1         # on a busy CPU: many times faster
 
     pending = save("out/ckpt", step, {"model": model, "optim": optim, "train": train_state}, config, async_save=True)
-    pending.wait()                                           # before the next save; pending.done(): written
+    pending.wait()                                           # before the next save
     path, train_state = load_latest("out/ckpt", {"model": model, "optim": optim, "train": tensors})
     load_hf_into(model, "out/hf")                            # on every rank: each reads only its shards' rows
-
-A Hugging Face folder is what transformers' save_pretrained writes (routed experts one tensor each, as published
-checkpoints); load_hf_into also reads the stacked experts transformers holds in memory (and earlier exports wrote).
 """
 
 import argparse
@@ -38,7 +34,6 @@ import shutil
 import socket
 import struct
 import sys
-import tempfile
 import time
 import warnings
 from collections import namedtuple
@@ -58,21 +53,15 @@ if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 import data
-from model import POSITIVE, ModelConfig, Rule, above, at_least, meta_model, refuse_unknown
-from parallel import local, rank_world
+from model import POSITIVE, ModelConfig, Parser, Rule, above, at_least, check, meta_model, option, refuse_unknown
+from parallel import gathered, local, rank_world
 
 # Single-process DCP calls are deliberate here (world size 1, export); DCP warns about every one of them.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -103,19 +92,13 @@ def _hf_name(ours: str) -> str:
 
 
 def to_hf_state_dict(sd: dict) -> dict:
-    """Our state dict -> transformers' AfmoeForCausalLM state dict in memory (same tensors, renamed)."""
+    """Our state dict with transformers' AfmoeForCausalLM names (the same tensors)."""
     return {_hf_name(k): v for k, v in sd.items()}
 
 
-def _natural(name: str) -> list:
-    """transformers' order of state-dict names (numbers numerically), in which save_pretrained fills its files."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
-
-
 def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tuple]]:
-    """[(Hugging Face name, where it lies in our tensor `ours` of `shape`: an int or a slice per dim)]. transformers
-    holds routed experts stacked only in memory; save_pretrained (and published checkpoints, and engines' loaders)
-    keep one gate_proj, up_proj and down_proj per expert (`per_expert`), in that order: gate then up for all."""
+    """[(Hugging Face name, its index in our tensor of `shape`: an int or a slice per dim)]. transformers stacks routed
+    experts only in memory; on disk (`per_expert`) each has a gate_proj, up_proj and down_proj, gate then up for all."""
     whole = tuple(slice(0, n) for n in shape)
     name = _hf_name(ours)
     m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", name)
@@ -129,13 +112,12 @@ def _hf_pieces(ours: str, shape: tuple, per_expert: bool) -> list[tuple[str, tup
 
 
 def _piece_shape(index: tuple) -> tuple:
-    """The shape of the Hugging Face tensor at `index` in ours (an int drops its dim: one expert of the stack)."""
+    """The shape of the piece at `index` (an int drops its dim: one expert of the stack)."""
     return tuple(ix.stop - ix.start for ix in index if isinstance(ix, slice))
 
 
 def _overlap(index: tuple, offsets, sizes) -> tuple[tuple, tuple] | None:
-    """Where a piece at `index` (_hf_pieces) meets the block of our tensor at offsets/sizes: (the index into the
-    block, the index into the piece), or None where they do not meet."""
+    """Where the piece at `index` meets our block at offsets/sizes: (index into the block, into the piece), or None."""
     into_block, into_piece = [], []
     for ix, o, s in zip(index, offsets, sizes):
         start, stop = (ix, ix + 1) if isinstance(ix, int) else (ix.start, ix.stop)
@@ -171,7 +153,6 @@ _Entry = namedtuple("_Entry", "step path complete tmp")  # tmp: a save in progre
 
 
 def _scan(ckpt_root: str) -> list[_Entry]:
-    """Every step directory under ckpt_root, by step."""
     found = []
     for name in os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []:
         m = _STEP_RE.fullmatch(name)
@@ -188,39 +169,33 @@ def latest(ckpt_root: str) -> str | None:
 
 
 class CorruptCheckpoint(ValueError):
-    """A complete checkpoint with a file missing, truncated, unreadable or changed on disk (the message names it)."""
+    """A complete checkpoint with a file missing, truncated, unreadable or changed (the message names it)."""
 
 
 class SaveFailed(RuntimeError):
-    """A save that could not be written (the message says why); its partial files are removed."""
+    """A save that could not be written; its partial files are removed."""
 
 
 @contextmanager
-def _together(world: int, errors: tuple = (OSError,)):
+def _together(errors: tuple = (OSError,)):
     """Every rank raises the first rank's `errors` from the block: none waits in a collective others skip."""
     failure = None
     try:
         yield
     except errors as e:
         failure = e
-    failures = [failure] * world
-    if world > 1:
-        dist.all_gather_object(failures, failure)
+    failures = gathered(failure)
     if any(failures):
         raise next(f for f in failures if f)
 
 
-# DCP pickles .metadata, and pickle.load would call whatever a crafted file names: loading runs no code, as its metadata
-# holds these globals only (its dataclasses, torch's Size, layouts and dtypes, its path); any other damages the file.
-# Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none (the rest is JSON).
+# DCP pickles .metadata, and unpickling calls whatever a crafted file names: only the globals its metadata holds are
+# allowed. Not BytesStorageMetadata: DCP reads a bytes entry with a full pickle, and save() writes none.
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
-                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
-                                              "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath"}}
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties", "StorageMeta",
+                                              "ChunkStorageMetadata", "MetadataIndex", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
+    "torch": {"Size"}, "pathlib": {"PosixPath", "WindowsPath"}}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -232,8 +207,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, reading .metadata through _MetadataUnpickler."""
-
     def read_metadata(self) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -243,10 +216,8 @@ class _Reader(dcp.FileSystemReader):
 
 
 def verify(path: str, contents: bool = True, named: bool = False):
-    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file: missing, a .distcp shorter than its
-    tensors, bad JSON or .metadata, without a sha256 in checksums.json, or (`contents`) a changed sha256. Every rank
-    calls it, hashing every world-th. `named`: the user named this very checkpoint, so files without a sha256 (deleted
-    checksums.json, or a checkpoint older than checksums) load unchecked, with a warning."""
+    """Raise CorruptCheckpoint naming complete checkpoint `path`'s first bad file; each rank hashes every world-th
+    (`contents`). `named`: the user named it, so files without a sha256 load unchecked, with a warning."""
     def bad(name: str, why: str):
         return CorruptCheckpoint(f"checkpoint {path} is damaged: {os.path.join(path, name)} {why}.")
 
@@ -262,7 +233,7 @@ def verify(path: str, contents: bool = True, named: bool = False):
         return value
 
     rank, world = rank_world()
-    with _together(world, (CorruptCheckpoint,)):
+    with _together((CorruptCheckpoint,)):
         read("config.json")
         state = read("state.json")
         if not (isinstance(state.get("step"), int) and isinstance(state.get("train"), dict)):
@@ -290,8 +261,8 @@ def verify(path: str, contents: bool = True, named: bool = False):
             why = f"lists no sha256 of {files}" if has_checksums else "is missing"
             raise bad(CHECKSUMS, f"{why}; to load it unchecked, name this checkpoint itself")
         if unchecked and rank == 0:
-            warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named; restore "
-                          f"its {CHECKSUMS} to have it checked", stacklevel=2)
+            warnings.warn(f"checkpoint {path} has no sha256 of {files}: it loads unchecked, as it was named",
+                          stacklevel=2)
         for name in sorted(checksums)[rank::world] if contents else []:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
@@ -301,17 +272,17 @@ def verify(path: str, contents: bool = True, named: bool = False):
 
 
 def load_latest(ckpt_root: str, state: dict, say=print, up_to: int | None = None) -> tuple[str | None, dict | None]:
-    """load() the newest complete checkpoint under ckpt_root (of a step at most `up_to`) that loads, saying which
-    damaged ones it skipped: (None, None) when there is none, CorruptCheckpoint when none loads."""
+    """load() the newest complete checkpoint under ckpt_root (of step <= `up_to`) that loads, saying which it skipped:
+    (None, None) when there is none, CorruptCheckpoint when none loads."""
     complete = [e.path for e in reversed(_scan(ckpt_root)) if e.complete and (up_to is None or e.step <= up_to)]
     for path in complete:
         try:
-            return path, _load(path, state, named=False)
+            return path, load(path, state, named=False)
         except CorruptCheckpoint as e:
             say(f"{e} Skipping it, trying the previous checkpoint.")
     if complete:
-        raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads (see "
-                                f"above); start again with --resume=none --overwrite, or restore the files.")
+        raise CorruptCheckpoint(f"none of the {len(complete)} complete checkpoints under {ckpt_root} loads; restore "
+                                f"their files or pass --resume=none --overwrite.")
     return None, None
 
 
@@ -327,16 +298,14 @@ def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a checkpoint directory (OUT_DIR/"
-                                f"checkpoints/step_N) or the checkpoints folder for its newest complete one.")
+        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a step_N directory or their folder.")
     if _STEP_RE.fullmatch(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, ".metadata")):
         newest = latest(os.path.dirname(os.path.normpath(path)))
-        raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker: its save was interrupted); "
-                         f"use {newest or 'an earlier, complete checkpoint'} instead.")
+        raise ValueError(f"checkpoint {path} is incomplete (its save was cut short); use {newest or 'a complete one'} "
+                         f"instead.")
     found = latest(path)
     if found is None:
-        raise FileNotFoundError(f"{path} holds no complete checkpoint (a step_NNNNNNNN directory with a {MARKER} "
-                                f"file); train with checkpointing on first.")
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (step_N with a {MARKER} file); train first.")
     return found
 
 
@@ -352,15 +321,7 @@ def saved_checkpoint(path: str) -> tuple[str, dict, ModelConfig]:
 
 # --- Saving and loading training checkpoints
 
-def _resolved_config(config: dict) -> dict:
-    """The training config, with the model's config (a ModelConfig or its dict) as a dict under "model"."""
-    m = config.get("model")
-    if m is not None and not isinstance(m, (dict, ModelConfig)):
-        raise TypeError(f"config['model'] must be the ModelConfig (or its dict), not a {type(m).__name__}.")
-    return {**config, "model": asdict(m)} if isinstance(m, ModelConfig) else config
-
-
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
+_OPTIONS = dsd.StateDictOptions(flatten_optimizer_state_dict=True)  # keys: "state.<param fqn>.exp_avg", ...
 
 
 def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
@@ -370,7 +331,7 @@ def _tensors_and_rest(values: dict) -> tuple[dict, dict]:
 
 def _state_dicts(state: dict) -> tuple[dict, dict, dict]:
     """`state` as ({"model", "optim", "train": tensors by name, for DCP}, the optimizer's rest, the train state's)."""
-    model_sd, optim_sd = get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
+    model_sd, optim_sd = dsd.get_state_dict(state["model"], state.get("optim") or [], options=_OPTIONS)
     optim_tensors, optim_rest = _tensors_and_rest(optim_sd)
     train_tensors, train_rest = _tensors_and_rest(state.get("train") or {})
     return {"model": model_sd, "optim": optim_tensors, "train": train_tensors}, optim_rest, train_rest
@@ -390,8 +351,8 @@ def _first_failure(e: BaseException) -> tuple[int | None, str]:
 
 
 def _no_space(folder: str, code: int | None, needed: int) -> str | None:
-    """'no space left on FOLDER (N MiB free)' when a write of `needed` bytes into FOLDER failed for lack of room: the
-    errno says so, or less is free (torch's zip writer and safetensors drop the errno)."""
+    """'no space left on FOLDER (N MiB free)' if a write of `needed` bytes there failed for lack of room: the errno
+    says so, or less is free (torch's zip writer and safetensors drop the errno); else None."""
     while not os.path.isdir(folder):  # a folder the failed write could not create: its disk is the parent's
         folder = os.path.dirname(folder) or "."
     free = shutil.disk_usage(folder).free
@@ -441,8 +402,8 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def _commit(ckpt_root: str, step: int, keep: int, checksums: dict):
-    """Rank 0, once every rank has written its files: write their checksums, mark step_N.tmp complete, rename it
-    step_N, delete this run's (config "run_id") complete checkpoints beyond the newest `keep` and older killed saves."""
+    """Rank 0, once every rank has written: write the checksums and the marker, rename step_N.tmp to step_N, and
+    delete this run's (config "run_id") complete checkpoints beyond the newest `keep` and older killed saves."""
     def run_id(path: str):  # None for an unreadable config.json
         with suppress(OSError, ValueError):
             return _read_json(path, "config.json").get("run_id")
@@ -482,32 +443,30 @@ class PendingSave:
         if self.completed:
             return
         self.completed = True
-        rank, world = rank_world()
         with _failing_cleanly(self.ckpt_root, self.step, self.needed):
             self.future.result()
-            checksums = [self.writer.checksums] * world
-            if world > 1:
-                dist.all_gather_object(checksums, self.writer.checksums)  # also: every rank has written its files
-            with _together(world):  # no rank moves on before the checkpoint is complete for all
-                if rank == 0:
+            checksums = gathered(self.writer.checksums)  # also: every rank has written its files
+            with _together():  # no rank moves on before the checkpoint is complete for all
+                if rank_world()[0] == 0:
                     _commit(self.ckpt_root, self.step, self.keep, {k: v for c in checksums for k, v in c.items()})
 
 
-def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
-         async_save: bool = False) -> PendingSave:
-    """Write `ckpt_root/step_{step:08d}` on every rank; keep this run's newest `keep` (<= 0: all). state: "model",
-    "optim" (or None), "train" (alike on all ranks: tensors to DCP, the rest to state.json). Returns once the tensors
-    are staged on the CPU (async_save) or complete; SaveFailed if a write fails."""
+def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3, async_save: bool = False) -> PendingSave:
+    """Write `ckpt_root/step_{step:08d}` on every rank, keeping this run's newest `keep` (<= 0: all). state: "model",
+    "optim" (or None), "train" (alike on all ranks; tensors to DCP, the rest to state.json). Returns once the tensors
+    are staged on the CPU (async_save) or written."""
     rank, world = rank_world()
     tensors, optim_rest, train = _state_dicts(state)
-    # Bad input fails here, on every rank, before any collective starts (so no rank waits on one that failed).
-    texts = {"config.json": _json(_resolved_config(config), "config"),
+    # Bad input fails here, on every rank, before any collective starts.
+    if not isinstance(config.get("model"), (dict, ModelConfig, type(None))):
+        raise TypeError(f"config['model'] must be a ModelConfig or its dict, not a {type(config['model']).__name__}.")
+    texts = {"config.json": _json(config, "config"),
              "state.json": _json({"step": step, "world_size": world, "train": train, "optim": optim_rest}, "train")}
     needed = sum(local(t).nbytes for sd in tensors.values() for t in sd.values())
     tmp = abandon(ckpt_root, step)  # what a killed save of this step left
     writer = _Writer(tmp)
     with _failing_cleanly(ckpt_root, step, needed):
-        with _together(world):
+        with _together():
             if rank == 0:
                 os.makedirs(tmp)
                 for name, text in texts.items():
@@ -526,12 +485,11 @@ def save(ckpt_root: str, step: int, state: dict, config: dict, keep: int = 3,
 
 
 def _json(obj, what: str) -> str:
-    """obj as JSON text, or one sentence naming what in `what` is not JSON."""
     def refuse(value):
-        if is_dataclass(value):
+        if is_dataclass(value):  # a ModelConfig
             return asdict(value)
         raise TypeError(f"the checkpoint's {what} holds {value!r} of type {type(value).__name__}, which JSON cannot "
-                        f"store; use numbers, strings, lists, dicts or (in the train state) tensors.")
+                        f"store; use numbers, strings, lists or dicts (or tensors, in train).")
     return json.dumps(obj, indent=1, default=refuse)
 
 
@@ -548,16 +506,12 @@ def _expect_tensors(path: str, entries: dict, wanted: dict):
                                     f"{tensor.dtype} tensor of shape {tuple(tensor.shape)} is expected.")
 
 
-def load(path: str, state: dict) -> dict:
-    """Load checkpoint `path` (or a root's newest) in place into state's "model", "optim" and "train" tensors, any
-    layout, on every rank; return the train state's other values. Its settings are train.py's to compare."""
-    resolved = _resolve(path)
-    return _load(resolved, state, named=resolved == path)
-
-
-def _load(path: str, state: dict, named: bool) -> dict:
-    """load() of complete checkpoint `path`; `named`: the user named it, so it may lack checksums (see verify)."""
-    verify(path, named=named)  # every file as it was written, or every rank raises CorruptCheckpoint
+def load(path: str, state: dict, named: bool = True) -> dict:
+    """Load checkpoint `path` (or a root's newest), any layout, in place into state's "model", "optim" and "train"
+    tensors on every rank; return the train state's other values. `named`: as verify's, unless `path` is a root."""
+    given = path
+    path = _resolve(path)
+    verify(path, named=named and path == given)  # every file as it was written, or every rank raises CorruptCheckpoint
     saved_state = _read_json(path, "state.json")
     tensors, optim_rest, _ = _state_dicts(state)
     reader = _Reader(path)
@@ -565,11 +519,10 @@ def _load(path: str, state: dict, named: bool) -> dict:
     wanted = {f"{group}.{k}": v for group, sd in tensors.items() for k, v in sd.items()}
     missing = [k for k in wanted if k not in saved_meta]
     if missing:
-        hint = ("it was saved without optimizer state; pass no optimizer or start a new one"
-                if all(k.startswith("optim.") for k in missing) else
-                "it was written by an earlier version, whose train state was JSON; export it (checkpoint.py export) "
-                "and start from it with --init_from_hf" if all(k.startswith("train.") for k in missing) else
-                "was it saved from another model?")
+        groups = {k.split(".")[0] for k in missing}
+        hint = ("it was saved without optimizer state; load no optimizer" if groups == {"optim"} else
+                "its train state is older JSON; export it and start from that with --init_from_hf"
+                if groups == {"train"} else "was it saved from another model?")
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this run needs, e.g. "
                          f"{', '.join(missing[:3])}; {hint}.")
     _expect_tensors(path, saved_meta, wanted)
@@ -579,8 +532,8 @@ def _load(path: str, state: dict, named: bool) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: its tensors cannot be read "
                                 f"({_first_failure(e)[1]}).") from None
     optim_sd = {**tensors["optim"], **{k: saved_state["optim"].get(k, v) for k, v in optim_rest.items()}}
-    set_state_dict(state["model"], state.get("optim") or [], model_state_dict=tensors["model"],
-                   optim_state_dict=optim_sd, options=_OPTIONS)
+    dsd.set_state_dict(state["model"], state.get("optim") or [], model_state_dict=tensors["model"],
+                       optim_state_dict=optim_sd, options=_OPTIONS)
     for name, tensor in tensors["train"].items():  # DCP loaded into copies where the layout differs
         state["train"][name].copy_(tensor)
     return saved_state["train"]
@@ -589,7 +542,6 @@ def _load(path: str, state: dict, named: bool) -> dict:
 # --- Hugging Face folders: export a checkpoint, import a model to start from
 
 def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
-    """Refuse an out_dir that is a file, holds the checkpoint or (unless `overwrite`) holds files."""
     out = os.path.realpath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out_dir} is a file; give a folder to export to.")
@@ -599,14 +551,12 @@ def _refuse_export_dir(out_dir: str, ckpt: str, overwrite: bool):
     if held and not overwrite:
         what = "another model" if "config.json" in held else "other files"
         raise ValueError(f"{out_dir} already holds {what} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
-                         f"pass --overwrite to replace it once the new export is complete, or export to another "
-                         f"folder.")
+                         f"pass --overwrite to replace it, or export to another folder.")
 
 
 @contextmanager
 def _export_lock(out_dir: str):
-    """Held while an export into out_dir runs; a second export into it meanwhile is refused in one sentence. It is a
-    flock on a file beside out_dir, so the OS frees it when its process dies, however it dies."""
+    """Refuses other exports into out_dir while held: a flock on a file beside it, freed however its process dies."""
     parent, base = os.path.split(os.path.abspath(out_dir))
     path = os.path.join(parent, f".{base}.lock")
     while True:
@@ -618,12 +568,9 @@ def _export_lock(out_dir: str):
             os.close(fd)
             raise ValueError(f"another export into {out_dir} is running ({holder or 'starting'}); wait for it to "
                              f"finish, or export to another folder.") from None
-        try:
-            current = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)  # locked a file its holder removed as it finished: lock the one at `path` now
     try:
         os.ftruncate(fd, 0)
@@ -634,17 +581,15 @@ def _export_lock(out_dir: str):
         os.close(fd)
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-EXPORT_DTYPES = ("bfloat16", "float32")
+DTYPES = {"bfloat16": "BF16", "float32": "F32"}  # exported dtypes: their safetensors names
 
 
 def _write_safetensors(path: str, tensors: dict):
-    """A safetensors file, durably, each tensor written from its own memory (safetensors' save_file first copies
-    every tensor into bytes: a second copy of the file in memory). In name order, as safetensors lays them out."""
+    """safetensors' save_file, durably, without first copying every tensor into bytes (a second copy in memory)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name in sorted(tensors):
         t = tensors[name]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":"))
@@ -654,9 +599,8 @@ def _write_safetensors(path: str, tensors: dict):
 
 
 def _save_pretrained_split(pieces: list, numel: dict, itemsize: int, max_bytes: int) -> list[list]:
-    """`pieces` in files as save_pretrained splits them, in order: a new file where the next unit would pass
-    `max_bytes`; a unit over it alone in a file, placed before the one being filled. A unit is a tensor, or one
-    projection of a layer's routed experts: transformers cuts those from one tensor and keeps one storage's together."""
+    """`pieces` in files as save_pretrained splits them: a new file where the next unit would pass `max_bytes`; a
+    unit over it alone, first. A unit is a tensor or one projection of a layer's experts (one storage in memory)."""
     shards, filling, size = [], [], 0
     for _, unit in itertools.groupby(pieces, key=lambda p: re.sub(r"\.experts\.\d+\.", ".experts.", p[0])):
         unit = list(unit)
@@ -688,10 +632,8 @@ def _model_entries(path: str, cfg: ModelConfig) -> dict:
 def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None,
               overwrite: bool = False, dtype: str = "bfloat16") -> str:
     """Write what transformers' save_pretrained writes for checkpoint `ckpt_path`'s (or a root's newest) model in
-    `dtype`: its files, tensor names, shapes and dtypes (routed experts one tensor each), config.json and
-    generation_config.json, plus the tokenizer (by default the data's); beside out_dir, moved there once complete.
-    One process reads the checkpoint of any layout a file's tensors at a time, cast to `dtype` as they are read, and
-    writes each tensor from there; returns the checkpoint."""
+    `dtype`, plus the tokenizer (by default the data's), beside out_dir, moved there once complete. Reads a file's
+    tensors at a time, of any layout, cast as they are read; returns the checkpoint."""
     path, saved_config, cfg = saved_checkpoint(ckpt_path)
     out_dir = os.path.normpath(out_dir)
     parent, base = os.path.split(os.path.abspath(out_dir))
@@ -702,33 +644,35 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
         tokenizer = tokenizer or saved_config.get("tokenizer", {}).get("source")
         enc = None if tokenizer is None else data.get_encoding(tokenizer)
         if enc is None:
-            warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass the one its data "
-                          f"was prepared with (--tokenizer)", stacklevel=2)
+            warnings.warn(f"checkpoint {path} records no tokenizer, so {out_dir} gets none; pass --tokenizer",
+                          stacklevel=2)
         elif enc.n_vocab > cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} token ids but the model in {path} only "
-                             f"{cfg.vocab_size}; pass the tokenizer its data was prepared with (--tokenizer)")
+                             f"{cfg.vocab_size}; pass its data's tokenizer with --tokenizer.")
         meta = _model_entries(path, cfg)
-        names = list(meta)
         torch_dtype = getattr(torch, dtype)
-        pieces = [(hf, ours, index) for ours in sorted(names, key=lambda n: _natural(_hf_name(n)))
+        # save_pretrained fills its files in name order, numbers numerically
+        natural = sorted(meta, key=lambda n: [(0, int(w)) if w.isdigit() else (1, w) for w in _hf_name(n).split(".")])
+        pieces = [(hf, ours, index) for ours in natural
                   for hf, index in _hf_pieces(ours, tuple(meta[ours].size), per_expert=True)]
         numel = {hf: math.prod(_piece_shape(index)) for hf, _, index in pieces}
         shards = _save_pretrained_split(pieces, numel, torch_dtype.itemsize, max_shard_bytes)
         files = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
         source = {"checkpoint": os.path.abspath(path), "step": _read_json(path, "state.json")["step"],
                   "run_id": saved_config.get("run_id")}
-        eos = None if enc is None else enc.eot_token  # transformers' generate stops at this id
-        # transformers 5 reads "dtype"; earlier versions, and engines that read config.json with them, "torch_dtype"
+        # transformers 5 reads "dtype"; earlier versions and the engines that use them, "torch_dtype"
         hf = {**cfg.to_hf(), "dtype": dtype, "torch_dtype": dtype, "eos_token_id": eos, "exported_from": source}
         total = sum(numel.values())
-        # What killed exports into out_dir left (none is running: this one holds the lock); mkdtemp's part has no dot.
+        # What killed exports into out_dir left (none is running: this one holds the lock)
         for name in os.listdir(parent):
             if re.fullmatch(rf"\.{re.escape(base)}\.export\.[^.]+\.tmp", name):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=f".{base}.export.", suffix=".tmp", dir=parent)
+        tmp = os.path.join(parent, f".{base}.export.{os.getpid()}.tmp")
         old = os.path.join(parent, f".{base}.old")
         try:
+            os.makedirs(tmp)
             for file, shard in zip(files, shards):
                 sd = {f"model.{ours}": torch.empty(meta[ours].size, dtype=torch_dtype) for _, ours, _ in shard}
                 dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
@@ -744,7 +688,6 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
             data.write_durably(os.path.join(tmp, "generation_config.json"), json.dumps({"eos_token_id": eos}))
             if enc is not None:
                 data.save_hf_tokenizer(tokenizer, tmp)
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
             shutil.rmtree(old, ignore_errors=True)
             if os.path.isdir(out_dir):  # empty, or replaced with overwrite: kept until the new export is in place
                 os.rename(out_dir, old)
@@ -754,23 +697,13 @@ def export_hf(ckpt_path: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, to
             full = _no_space(parent, _first_failure(e)[0], total * torch_dtype.itemsize)
             if full is None:
                 raise
-            raise SaveFailed(f"{full}: the export to {out_dir} was not written (its partial files are removed); "
-                             f"{out_dir} is unchanged.") from None
+            raise SaveFailed(f"{full}: the export to {out_dir} was not written; {out_dir} is unchanged.") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
-def _umask() -> int:
-    """This process's umask (reading it sets it: it is set back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _weight_files(hf_dir: str) -> dict[str, str]:
-    """{tensor name: path of its file} of a Hugging Face folder: sharded with model.safetensors.index.json, or one
-    model.safetensors."""
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
         weight_map = _read_json(hf_dir, "model.safetensors.index.json")["weight_map"]
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
@@ -797,12 +730,10 @@ def hf_config(hf_dir: str) -> ModelConfig:
 
 def load_hf_into(model, hf_dir: str) -> int:
     """Fill `model` (plain or sharded, any dtype) from a Hugging Face `afmoe` folder, its routed experts one tensor
-    each (as save_pretrained writes them) or stacked (as transformers holds them, and earlier exports wrote them).
-    Each rank reads only the rows of its own shards (under expert parallelism: its own experts' tensors); returns the
-    bytes of tensor data this rank read."""
+    each or stacked. Each rank reads only its own shards' rows; returns the bytes of tensor data it read."""
     hf_config(hf_dir)  # config.json and the weight files the index names are there
     files = _weight_files(hf_dir)
-    tensors = get_model_state_dict(model, options=_OPTIONS)
+    tensors = dsd.get_model_state_dict(model, options=_OPTIONS)
     with ExitStack() as stack:  # safe_open reads a file's header; get_slice then reads only the bytes asked for
         opened = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
         on_disk = {name: opened[path].get_slice(name) for name, path in files.items()}
@@ -815,8 +746,8 @@ def load_hf_into(model, hf_dir: str) -> int:
                  for p in pieces.values() for name, index in p
                  if tuple(on_disk[name].get_shape()) != _piece_shape(index)]
         if wrong:
-            raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); start from a folder "
-                             f"of this model's config, or drop the flags that change it.")
+            raise ValueError(f"{hf_dir} holds tensors of other shapes ({'; '.join(wrong[:3])}); drop the flags that "
+                             f"change this model's config.")
         read = 0
         for k, v in tensors.items():
             chunk = v.__create_chunk_list__()[0] if isinstance(v, DTensor) else None  # this rank's block of v
@@ -831,7 +762,7 @@ def load_hf_into(model, hf_dir: str) -> int:
             block = block.to(local(v).device)
             tensors[k] = (DTensor.from_local(block, v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
                           if chunk else block)
-    set_model_state_dict(model, tensors, options=_OPTIONS)
+    dsd.set_model_state_dict(model, tensors, options=_OPTIONS)
     return read
 
 
@@ -852,8 +783,7 @@ def _ls(ckpt_root: str):
                 status = "damaged"
         print(f"{e.step:>10}  {status:<10}  {size / 2**20:>7.1f} MB  {e.path}")
     if entries:
-        print("partial: a save in progress or killed; incomplete: no COMPLETE marker; damaged: a file missing, "
-              "truncated or unreadable. Only complete ones are loaded, once their files' checksums match.")
+        print("partial: a save running or killed; incomplete: no COMPLETE marker; damaged: a file bad or missing")
 
 
 def sampling_model(path: str, device: torch.device):
@@ -863,7 +793,7 @@ def sampling_model(path: str, device: torch.device):
         load_hf_into(model, path)
         tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     else:
-        given = path  # a checkpoint the user names loads without checksums, with a warning; a root's newest does not
+        given = path  # a checkpoint the user names may lack checksums; a root's newest may not
         path, saved, cfg = saved_checkpoint(path)
         model = meta_model(cfg).to_empty(device=device)
         load(given, {"model": model})
@@ -878,10 +808,7 @@ def sampling_model(path: str, device: torch.device):
 
 def up_to_stop(row: list[int], start: int, stop_id: int | None) -> list[int]:
     """row through the first stop_id at or after `start` (a sample through its end-of-text), else all."""
-    try:
-        return row[:row.index(stop_id, start) + 1]
-    except ValueError:
-        return row
+    return row[:row.index(stop_id, start) + 1] if stop_id in row[start:] else row
 
 
 def decodable_ids(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -898,63 +825,62 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids such as 1,2,3") from None
 
 
-_SAMPLE_FLAGS = [  # flag, type, default, rule, help
-    ("--prompt", str, "", None, "text to continue"),
-    ("--prompt_ids", _token_ids, None, None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)"),
-    ("--temperature", float, 0.8, at_least(0, "0 (greedy) or more"), "softmax temperature; 0 is greedy"),
-    ("--top_k", int, 50, at_least(0, "0 (off) or more"), "sample among the k most likely tokens (0: all)"),
-    ("--top_p", float, 1.0, Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"),
-     "sample among the most likely tokens whose probability reaches p (1: all)"),
-    ("--max_new_tokens", int, 64, POSITIVE, "tokens generated after the prompt"),
-    ("--num_samples", int, 1, POSITIVE, "continuations of the prompt, generated as one batch"),
-    ("--seed", int, 0, None, "the same seed gives the same samples"),
-    ("--threads", int, 0, at_least(0, "0 (torch's default) or more"), "CPU threads (0: torch's, one per core); on a "
-     "busy machine 1 can be many times faster, as threads waiting for a core stall each other")]
+@dataclass
+class Sampling:
+    """The sample command's flags."""
+    prompt: str = option("", "text to continue")
+    prompt_ids: list | None = option(None, "the prompt as token ids (1,2,3) in place of --prompt (no tokenizer)",
+                                     parse=_token_ids)
+    temperature: float = option(0.8, "softmax temperature; 0 is greedy", at_least(0, "0 (greedy) or more"))
+    top_k: int = option(50, "sample among the k most likely tokens (0: all)", at_least(0, "0 (off) or more"))
+    top_p: float = option(1.0, "sample among the most likely tokens whose probability reaches p (1: all)",
+                          Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1 (1: off)"))
+    max_new_tokens: int = option(64, "tokens generated after the prompt", POSITIVE)
+    num_samples: int = option(1, "continuations of the prompt, generated as one batch", POSITIVE)
+    seed: int = option(0, "the same seed gives the same samples")
+    threads: int = option(0, "CPU threads (0: one per core); on a busy machine 1 can be many times faster",
+                          at_least(0, "0 (torch's default) or more"))
 
 
 def _sample(args):
-    problems = [f"{flag}={getattr(args, flag[2:])} must be {rule.words}" for flag, _, _, rule, _ in _SAMPLE_FLAGS
-                if rule and not rule.ok(getattr(args, flag[2:]), args)]
-    if problems:
-        raise ValueError("; ".join(problems) + ".")
+    opt = Sampling(**{f.name: getattr(args, f.name) for f in fields(Sampling) if f.name in args})
+    check(opt)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device=cuda but this machine has no CUDA device; use --device=cpu.")
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if opt.threads:
+        torch.set_num_threads(opt.threads)
     model, tokenizer, why_none = sampling_model(args.ckpt, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     for p in model.parameters():  # the expert bias (a buffer) stays fp32: it decides the routing
         p.data = p.data.to(dtype)
-    if args.prompt_ids is None and tokenizer is None:
-        raise ValueError(f"{why_none}, so --prompt cannot be encoded; give the prompt as token ids with "
-                         f"--prompt_ids=1,2,3.")
+    if opt.prompt_ids is None and tokenizer is None:
+        raise ValueError(f"{why_none}, so --prompt cannot be encoded; give token ids with --prompt_ids=1,2,3.")
     # "<|endoftext|>" in a prompt is that token, the boundary before a new document, as in the training data
-    ids = tokenizer.encode(args.prompt, allowed_special="all") if args.prompt_ids is None else args.prompt_ids
+    ids = tokenizer.encode(opt.prompt, allowed_special="all") if opt.prompt_ids is None else opt.prompt_ids
     V = model.cfg.vocab_size
     if not ids or not all(0 <= t < V for t in ids):
         raise ValueError(f"the prompt must be 1 or more token ids in [0, {V}), not {ids}; give --prompt or "
                          f"--prompt_ids.")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(opt.seed)
     allowed_V = None if tokenizer is None else decodable_ids(tokenizer, V).to(device)
     stop_id = getattr(tokenizer, "eot_token", None)  # a row ends at its tokenizer's end-of-text, shown
     t0 = time.time()
-    rows = model.generate(torch.tensor([ids] * args.num_samples, device=device), args.max_new_tokens,
-                          args.temperature, args.top_k or None, args.top_p, allowed_V, stop_id).tolist()  # waits
+    rows = model.generate(torch.tensor([ids] * opt.num_samples, device=device), opt.max_new_tokens,
+                          opt.temperature, opt.top_k or None, opt.top_p, allowed_V, stop_id).tolist()  # waits
     seconds = time.time() - t0
     steps = len(rows[0]) - len(ids)
     for i, row in enumerate(rows):
         row = up_to_stop(row, len(ids), stop_id)
-        print(f"--- sample {i + 1}/{args.num_samples}")
+        print(f"--- sample {i + 1}/{opt.num_samples}")
         print(row if tokenizer is None else tokenizer.decode(row), flush=True)
     on = f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
-    print(f"{args.num_samples} x {steps} tokens in {seconds:.2f}s ({args.num_samples * steps / seconds:.1f} tokens/s "
-          f"on {on}){'; every sample reached end-of-text' if steps < args.max_new_tokens else ''}", file=sys.stderr)
+    print(f"{opt.num_samples} x {steps} tokens in {seconds:.2f}s ({opt.num_samples * steps / seconds:.1f} tokens/s "
+          f"on {on}){'; every sample reached end-of-text' if steps < opt.max_new_tokens else ''}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(),
-                                     allow_abbrev=False)
+    parser = Parser(prog="checkpoint.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,export,sample}")
     sub.add_parser("ls", help="list the checkpoints under CKPT_ROOT: step, complete or not, size").add_argument(
         "ckpt_root", metavar="CKPT_ROOT")
@@ -964,14 +890,12 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_gb", type=above(0).parse(float), default=5.0, help="largest file (default 5 GiB)")
     p.add_argument("--tokenizer", help="tiktoken name or Hugging Face tokenizer folder (default: the data's)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR's files once the new export is complete")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
-                   help="the weights' dtype (default: bfloat16, as published; float32 keeps a float32 run exact)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default: bfloat16, as published")
     p = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face afmoe folder")
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory, a root or a Hugging Face afmoe folder")
-    for flag, kind, default, _, text in _SAMPLE_FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_settings(Sampling)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, else float32")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, else float32")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a flag: named as the subcommand's closest; an extra argument: refused as argparse would
         refuse_unknown(parser, unknown, sub.choices[args.command])

@@ -163,6 +163,27 @@ def flip_a_bit(ckpt: Path, tensor: torch.Tensor) -> Path:
     return file
 
 
+def two_checkpoints(tmp_path, model, optim=None):
+    """Steps 1 and 2 of `model` under tmp_path/ckpt: (the root, step 2, where a crafted pickle would create a file)."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(str(root), step, {"model": model, "optim": optim}, {"model": model.cfg})
+    return root, root / "step_00000002", tmp_path / "created_by_the_pickle"
+
+
+def assert_the_cli_refuses(damaged, message, capsys, ls_root=None):
+    """sample and export of `damaged` fail with `message` alone and write nothing; ls lists it (step 2) damaged."""
+    for argv in (["sample", str(damaged), "--prompt_ids=1,2", "--device=cpu"],
+                 ["export", str(damaged), str(damaged.parent.parent / "hf")]):
+        assert checkpoint.main(argv) == 2
+        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
+    assert not (damaged.parent.parent / "hf").exists()
+    if ls_root is not None:
+        assert checkpoint.main(["ls", str(ls_root)]) == 0
+        assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
+                                                                                           ["2", "damaged"]]
+
+
 def test_a_flipped_bit_is_a_damaged_checkpoint_on_every_load_path(tmp_path, capsys):
     cfg = tiny_cfg()
     model, optim = make(cfg, seed=0)
@@ -184,11 +205,7 @@ def test_a_flipped_bit_is_a_damaged_checkpoint_on_every_load_path(tmp_path, caps
     assert said == [f"{message} Skipping it, trying the previous checkpoint."]
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, step1[k]), k
-    for argv in (["sample", str(newest), "--prompt_ids=1,2", "--device=cpu"],
-                 ["export", str(newest), str(tmp_path / "hf")]):
-        assert checkpoint.main(argv) == 2
-        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
-    assert not (tmp_path / "hf").exists()
+    assert_the_cli_refuses(newest, message, capsys)
     # A checkpoint written before checksums existed loads as it did.
     (root / "step_00000001" / checkpoint.CHECKSUMS).unlink()
     load(str(root / "step_00000001"), {"model": fresh, "optim": fresh_optim})
@@ -197,11 +214,7 @@ def test_a_flipped_bit_is_a_damaged_checkpoint_on_every_load_path(tmp_path, caps
 def test_a_crafted_metadata_runs_no_code_on_any_load_path(tmp_path, capsys):
     cfg = tiny_cfg()
     model, _ = make(cfg, seed=0)
-    root = tmp_path / "ckpt"
-    for step in (1, 2):
-        save(str(root), step, {"model": model}, {"model": cfg})
-    crafted = root / "step_00000002"
-    created = tmp_path / "created_by_the_pickle"
+    root, crafted, created = two_checkpoints(tmp_path, model)
     (crafted / ".metadata").write_bytes(crafted_metadata(str(created)))
     (crafted / "checksums.json").unlink(missing_ok=True)  # as an attacker would: only the unpickler stands guard
     message = (f"checkpoint {crafted} is damaged: {crafted / '.metadata'} cannot be read (it names io.open, which "
@@ -215,13 +228,7 @@ def test_a_crafted_metadata_runs_no_code_on_any_load_path(tmp_path, capsys):
     said = []
     path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
     assert path == str(root / "step_00000001") and said[0].startswith(message)
-    for argv in (["sample", str(crafted), "--prompt_ids=1,2", "--device=cpu"],
-                 ["export", str(crafted), str(tmp_path / "hf")]):
-        assert checkpoint.main(argv) == 2
-        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
-    assert checkpoint.main(["ls", str(root)]) == 0
-    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
-                                                                                       ["2", "damaged"]]
+    assert_the_cli_refuses(crafted, message, capsys, ls_root=root)
     assert not created.exists()
 
 
@@ -231,11 +238,7 @@ def test_a_crafted_metadata_of_allowed_classes_is_a_damaged_checkpoint(tmp_path,
     any data is read."""
     cfg = tiny_cfg()
     model, optim = make(cfg, seed=0)
-    root = tmp_path / "ckpt"
-    for step in (1, 2):
-        save(str(root), step, {"model": model, "optim": optim}, {"model": cfg})
-    crafted = root / "step_00000002"
-    created = tmp_path / "created_by_the_pickle"
+    root, crafted, created = two_checkpoints(tmp_path, model, optim)
     craft_bytes_entry(crafted, "model.embed.weight", str(created))
     message = (f"checkpoint {crafted} is damaged: {crafted / '.metadata'} cannot be read (it names torch.distributed."
                f"checkpoint.metadata.BytesStorageMetadata, which DCP's metadata never holds).")
@@ -244,13 +247,7 @@ def test_a_crafted_metadata_of_allowed_classes_is_a_damaged_checkpoint(tmp_path,
     said = []
     path, _ = checkpoint.load_latest(str(root), {"model": Transformer(cfg)}, say=said.append)
     assert path == str(root / "step_00000001") and said == [f"{message} Skipping it, trying the previous checkpoint."]
-    for argv in (["sample", str(crafted), "--prompt_ids=1,2", "--device=cpu"],
-                 ["export", str(crafted), str(tmp_path / "hf")]):
-        assert checkpoint.main(argv) == 2
-        assert capsys.readouterr().err == f"checkpoint.py: error: {message}\n"
-    assert checkpoint.main(["ls", str(root)]) == 0
-    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:3]] == [["1", "complete"],
-                                                                                       ["2", "damaged"]]
+    assert_the_cli_refuses(crafted, message, capsys, ls_root=root)
     assert not created.exists()
 
     def float64_embedding(metadata, _):
@@ -316,10 +313,7 @@ def test_json_files_of_another_shape_are_a_damaged_checkpoint(tmp_path):
     """A state.json or config.json that parses but is not the object a load reads is damage, not a traceback."""
     cfg = tiny_cfg()
     model, _ = make(cfg, seed=0)
-    root = tmp_path / "ckpt"
-    for step in (1, 2):
-        save(str(root), step, {"model": model}, {"model": cfg})
-    newest = root / "step_00000002"
+    root, newest, _ = two_checkpoints(tmp_path, model)
     for name, text, why in [("state.json", "[]", "holds a JSON list, not an object"),
                             ("state.json", '{"step": "2", "train": {}}', "lacks its integer step or its train state"),
                             ("config.json", "3", "holds a JSON int, not an object")]:
@@ -616,8 +610,8 @@ def test_export_replaces_nothing_until_it_is_complete(tmp_path, capsys):
     save(str(root), 4, {"model": model}, {"model": cfg, "run_id": "a1b2c3"})
     assert checkpoint.main(["export", str(root), str(hf)]) == 2
     assert capsys.readouterr().err == (f"checkpoint.py: error: {hf} already holds another model (config.json, "
-                                       f"generation_config.json, model.safetensors); pass --overwrite to replace it "
-                                       f"once the new export is complete, or export to another folder.\n")
+                                       f"generation_config.json, model.safetensors); pass --overwrite to replace it, "
+                                       f"or export to another folder.\n")
     # A damaged checkpoint exported over it: one sentence, and the earlier export is intact.
     file = flip_a_bit(root / "step_00000004", model.head.weight)
     assert checkpoint.main(["export", str(root), str(hf), "--overwrite"]) == 2
@@ -686,8 +680,8 @@ def test_a_full_disk_is_said_in_clear_words(small_disk, tmp_path, capsys):
     save(str(tmp_path / "ckpt"), 1, {"model": model}, {"model": cfg})
     assert checkpoint.main(["export", str(tmp_path / "ckpt"), str(small_disk / "hf"), "--dtype=float32"]) == 2
     assert re.fullmatch(re.escape(f"checkpoint.py: error: no space left on {small_disk} (") + r"\d+\.\d MiB free\): " +
-                        re.escape(f"the export to {small_disk / 'hf'} was not written (its partial files are "
-                                  f"removed); {small_disk / 'hf'} is unchanged.\n"), capsys.readouterr().err)
+                        re.escape(f"the export to {small_disk / 'hf'} was not written; {small_disk / 'hf'} is "
+                                  f"unchanged.\n"), capsys.readouterr().err)
     assert os.listdir(small_disk) == ["ckpt"]
 
 
@@ -733,8 +727,8 @@ def test_cli(tmp_path, capsys):
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a checkpoint directory "
-        f"(OUT_DIR/checkpoints/step_N) or the checkpoints folder for its newest complete one."]
+        f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a step_N directory or "
+        f"their folder."]
     for args, says in [(["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
                        (["ls", str(tmp_path / "nowhere")], "does not exist")]:
         assert checkpoint.main(args) == 2

@@ -207,7 +207,7 @@ def test_cli_samples_a_checkpoint_and_its_hf_export(saved, capsys):
     assert code == 0 and text.splitlines()[1::2] == [str(row) for row in expected.tolist()]
     code, _, err = sample_cli(capsys, str(out / "hf"), "--prompt=def ")
     assert code == 2 and err.strip() == (f"checkpoint.py: error: {out / 'hf'} names no tokenizer, so --prompt cannot "
-                                         f"be encoded; give the prompt as token ids with --prompt_ids=1,2,3.")
+                                         f"be encoded; give token ids with --prompt_ids=1,2,3.")
 
 
 def test_cli_uses_a_hf_folders_tokenizer(saved, capsys, tmp_path):
@@ -287,8 +287,7 @@ def test_cli_bad_input_is_one_sentence(saved, capsys, flags, message):
 def test_cli_names_a_missing_checkpoint(capsys, tmp_path):
     code, _, err = sample_cli(capsys, str(tmp_path / "nowhere"), "--prompt=x")
     assert code == 2 and err.strip() == (f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not "
-                                         f"exist; give a checkpoint directory (OUT_DIR/checkpoints/step_N) or the "
-                                         f"checkpoints folder for its newest complete one.")
+                                         f"exist; give a step_N directory or their folder.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
