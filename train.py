@@ -22,11 +22,12 @@ import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+if __name__ == "__main__":  # Ctrl-C, even while torch loads: one line and exit code 130, not a traceback
     def _interrupted(kind, value, traceback):
         if not issubclass(kind, KeyboardInterrupt):
             return sys.__excepthook__(kind, value, traceback)
-        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C in the loop says what it left
+            print(value.args[0] if value.args else "interrupted: no checkpoint written; exiting", file=sys.stderr)
         sys.exit(130)
     sys.excepthook = _interrupted
 
@@ -60,7 +61,7 @@ from parallel import say
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
 OFF_OR_MORE = at_least(0, "0 (off) or more")
-CHANGEABLE = ("tokenizer", "data", "seq_len")  # what --allow_changed may name (seq_len: with global_batch); seed fixed
+CHANGEABLE = ("tokenizer", "data", "seq_len")  # what --allow_changed may name
 
 
 @dataclass
@@ -105,8 +106,7 @@ class TrainConfig:
     cp: int = option(1, "context parallelism: each sequence split over cp ranks (world = R x S x cp)",
                      Rule(lambda v, c: v >= 1 and c.seq_len % v == 0, "a divisor of seq_len={seq_len}"))
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
-    keep_gathered: bool = option(False, "FSDP gathers once per step, not twice per micro-batch (the whole model's "
-                                        "memory)")
+    keep_gathered: bool = option(False, "FSDP gathers once per step, not per micro-batch (holds the whole model)")
     compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
     threads: int = option(0, "CPU threads per process (0: one per core)", OFF_OR_MORE)
@@ -128,26 +128,22 @@ class TrainConfig:
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule or stretch "
                                           "it over --steps", one_of("keep", "stretch"))
     init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    allow_changed: str = option("", "on resume, accept another data, tokenizer or seq_len (with global_batch), "
-                                    "comma-separated",
+    allow_changed: str = option("", "on resume, accept another data, tokenizer or seq_len (with global_batch)",
                                 Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer, data, seq_len"))
     # an unattended run (watch.py)
-    step_timeout: float = option(600.0, "seconds without a step before the watchdog reports a hang and exits (0: off)",
-                                 OFF_OR_MORE)
+    step_timeout: float = option(600.0, "seconds without a step before a hang report and exit (0: off)", OFF_OR_MORE)
     spike_threshold: float = option(10.0, "skip a step whose loss or grad norm is this many robust deviations (log) "
                                           "above the window's median (0: only non-finite steps)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
-    spike_rollback: int = option(3, "this many bad steps within --spike_window roll back to the checkpoint before them",
-                                 POSITIVE)
+    spike_rollback: int = option(3, "bad steps within --spike_window that roll back to the checkpoint before", POSITIVE)
     max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", NON_NEGATIVE)
-    on_event: str = option("", "shell command run on each event, with NANOTITAN_EVENT, NANOTITAN_STEP, "
-                               "NANOTITAN_MESSAGE set (README)")
+    on_event: str = option("", "shell command run on each event, given NANOTITAN_* variables (README)")
     drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (data steps' losses x 100), nan@30, crash@30, "
                             "stall@30 (a first launch's last rank), straggle@1 (a rank), skew@0.1 (router bias)")
 
     def __post_init__(self):
         check(self)
-        watch.log_sinks(self.log_to)  # a sink without its package is refused before any data or model is touched
+        watch.log_sinks(self.log_to)  # a sink without its package is refused before any data is touched
         watch.parse_drills(self.drill)
 
 
@@ -161,8 +157,7 @@ TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for cls in SETTINGS.values() for f i
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
     """The TrainConfig and the model-field overrides: defaults < preset < --config file < command line."""
     parser = Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
-    parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
-                                                      "with [train] and [model] tables; flags given here override it")
+    parser.add_argument("--config", default="", help="a run's config.json or TOML with [train] and [model] tables")
     parser.add_settings(TrainConfig)
     parser.add_settings(ModelConfig, "model overrides (default: the preset's value)", show_defaults=False)
     given = vars(parser.parse_args(argv))  # only what the command line says
@@ -253,7 +248,7 @@ def forward_backward(model, batch, tc: TrainConfig, autocast, source_B=None, n_s
     loss_S = torch.zeros(n_sources, dtype=torch.float64, device=device).index_add_(  # cp ranks: a chunk's mean each
         0, source_B.to(device), torch.cat(loss_B).double() / tc.cp)
     world = parallel.rank_world()[1]
-    with phase("all-reduce counts, losses"):  # counts and sums over the global batch; each rank's mean loss / world
+    with phase("all-reduce counts, losses"):  # sums over the global batch; each rank's mean loss / world
         numbers = torch.cat([losses.double() / world, loss_S, tokens_BT.sum().double().view(1),
                              counts_LE.flatten().double()])
         parallel.all_reduce_sum_(numbers)
@@ -302,7 +297,7 @@ class Run:
     rank: int
     device: torch.device
     autocast: contextlib.AbstractContextManager
-    dtype: torch.dtype | None  # the compute dtype under autocast, None for fp32
+    dtype: torch.dtype | None  # under autocast; None: fp32
     master: bool = False
 
 
@@ -378,7 +373,7 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
         if dist.is_initialized():
             dist.barrier()
     mixture = data.Mixture(tc.data, tc.tokenizer)
-    tokenizer = mixture.tokenizer  # its manifest fields: name, vocab_size, a Hugging Face folder's tokenizer_path
+    tokenizer = mixture.tokenizer  # name, vocab_size and a Hugging Face folder's tokenizer_path
     if tc.init_from_hf:
         cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides)
         data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
@@ -426,9 +421,9 @@ def compare_settings(resume_from: str, resolved: dict):
         changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
     allowed = set(listed(resolved["train"]["allow_changed"]))
     for name in [n for n in FIXED if n in changed and not ("seq_len" in allowed and n in ("seq_len", "global_batch"))]:
-        how = "" if name == "seed" else ", pass --allow_changed=seq_len to re-cut the data from here (more context)"
+        how = "" if name == "seed" else " or pass --allow_changed=seq_len (a context extension)"
         raise ValueError(f"--{name}={changed[name][1]} differs from checkpoint {path}'s {changed[name][0]}, which "
-                         f"fixes the data order; resume with --{name}={changed[name][0]}{how}, or start a new run.")
+                         f"fixes the data order; resume with --{name}={changed[name][0]}{how}, or start anew.")
     for name in [n for n in CHANGEABLE if n in changed and n not in allowed]:
         old, new = changed[name]
         how = "its contents changed since; restore them" if old == new else f"{old}); resume with --{name}={old}"
@@ -462,7 +457,7 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
     return train_loader, val
 
 
-# fp32 copies of the weights training keeps, by optimizer: weights, gradients, moments (AdamW two; Muon one, nearly all)
+# fp32 copies of the weights by optimizer: weights, gradients, moments (AdamW two; Muon one, nearly all)
 STATE_COPIES = {"adamw": 4, "muon": 3}
 
 
@@ -495,7 +490,7 @@ def restore(source: str, run: Run, model, optimizer, state: TrainState, bad_step
     targets = {"model": model, "optim": optimizer, "train": {"momentum": state.momentum}}
     if source == os.path.join(run.tc.out_dir, "checkpoints"):  # a damaged checkpoint: the one before it
         source, saved = checkpoint.load_latest(source, targets, say=say, up_to=up_to)
-    else:  # named by the user: that one (a folder of checkpoints: its newest)
+    else:  # named by the user (a folder of checkpoints: its newest)
         source = checkpoint.saved_checkpoint(source)[0]
         saved = checkpoint.load(source, targets)
     if saved is None:
@@ -557,7 +552,7 @@ def train(run: Run, model, optimizer, state: TrainState, resolved: dict, alive: 
         alive.watchdog.beat(step + 1)
         if written:  # every rank has written the last checkpoint: it is complete now, not at the next save
             alive.checkpoints.wait()
-        if alive.bad_steps.back_to is not None:  # a burst of bad steps, or a damaged checkpoint: load an earlier one
+        if alive.bad_steps.back_to is not None:  # a burst, or a damaged checkpoint: load an earlier one
             go_back(run, model, optimizer, state, alive)
             meter = watch.Meter(run, state.step)
             continue
@@ -676,7 +671,7 @@ def setup_and_train(run: Run, resolved: dict, resume_from: str | None) -> dict:
         state.run_id = parallel.gathered(uuid.uuid4().hex[:12])[0]  # every rank names the run alike
     else:
         state.schedule = lr_schedule(tc, saved["schedule_steps"])
-    if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
+    if state.step >= tc.steps:  # before any file is written: nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
     if run.master:
@@ -712,14 +707,10 @@ if __name__ == "__main__":
     try:
         main(*parse_args())
     except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed, watch.Stopped) as e:
-        # A bad flag or layout fails alike on every rank (rank 0 says it); bad data can be one rank's own (it says it).
+        # A bad flag fails alike on every rank (rank 0 says it); bad data can be one rank's own.
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
             time.sleep(2)
         sys.exit(1 if isinstance(e, (checkpoint.SaveFailed, watch.Stopped)) else 2)
-    except KeyboardInterrupt as e:  # before the loop (nothing to save yet), or a second Ctrl-C (it says what it left)
-        if os.environ.get("RANK", "0") == "0":
-            print(e.args[0] if e.args else "interrupted: no checkpoint written; exiting", file=sys.stderr)
-        sys.exit(130)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

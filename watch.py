@@ -1,7 +1,6 @@
 """
-What keeps an unattended run alive, so that train.py's loop can stay about training: a lease on OUT_DIR, signals and
-a hang watchdog, events (console, metrics.jsonl, status.json, --on_event), stragglers, the bad-step policy, background
-checkpoints and the fault drills that rehearse all of it.
+What keeps an unattended run alive, so that train.py's loop stays about training: lease, signals, watchdog, events,
+stragglers, bad steps, background checkpoints and the drills that rehearse them.
 
     python train.py --drill=spike@60,61,62 --ckpt_every=50        # a burst of spikes: rolled back
     python train.py --on_event='curl -d "$NANOTITAN_MESSAGE" ntfy.sh/my-run'
@@ -63,8 +62,7 @@ LEASE_WAIT_S = 60.0  # how long a newcomer waits for a live holder to leave befo
 
 class Lease:
     """OUT_DIR/lease.json, held by rank 0 of the live job. Liveness is the heartbeat's age alone (a pid means nothing
-    in another container; no clocks are compared). A restart of the same torchrun job takes its earlier launch's
-    lease at once. A holder that cannot renew stops before it looks stale."""
+    in another container); a restart of the same torchrun job takes its earlier launch's lease at once."""
 
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, "lease.json")
@@ -99,7 +97,7 @@ class Lease:
         threading.Thread(target=self.renew, daemon=True).start()
 
     def create(self) -> bool:
-        """Claim an absent lease: O_EXCL makes the claim atomic, so no wait is needed to see who won."""
+        """Claim an absent lease: O_EXCL makes it atomic, so no wait is needed to see who won."""
         try:
             os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -108,7 +106,7 @@ class Lease:
         return True
 
     def read(self) -> tuple[str | None, dict]:
-        """The lease's text (None: absent) and its fields ({}: garbage, which ages like any other text)."""
+        """The lease's text (None: absent) and its fields ({}: garbage, which ages like any text)."""
         try:
             text = Path(self.path).read_text()
             held = json.loads(text)
@@ -164,8 +162,8 @@ def log_sinks(log_to: str) -> list[str]:
 
 
 class Events:
-    """Rank 0 appends each step's record to metrics.jsonl (and TensorBoard, W&B) and rewrites status.json. A failed
-    write (a full disk) is said once and training goes on."""
+    """Rank 0 appends each step's record to metrics.jsonl (and TensorBoard, W&B) and rewrites status.json; a failed
+    write (a full disk) is said once."""
 
     def __init__(self, out_dir: str, master: bool, log_to: list[str], command: str, resolved: dict):
         self.master = master
@@ -194,7 +192,7 @@ class Events:
         forgotten = 0
         if self.master and self.metrics.exists():
             cut = Path(f"{self.metrics}.tmp")
-            with self.metrics.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
+            with self.metrics.open() as old, cut.open("w") as new:  # streamed: the file can be large
                 for line in old:
                     with contextlib.suppress(ValueError, KeyError, TypeError):  # a record cut short by a crash: gone
                         if json.loads(line)["step"] <= step:
@@ -202,7 +200,7 @@ class Events:
                             continue
                     forgotten += 1
             cut.replace(self.metrics)
-        if self.master and "tensorboard" in self.log_to:  # a new writer's purge_step hides the events past `step`
+        if self.master and "tensorboard" in self.log_to:  # a new writer's purge_step hides the steps past `step`
             from torch.utils.tensorboard import SummaryWriter
             if self.tensorboard:
                 self.tensorboard.close()
@@ -315,9 +313,8 @@ def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
 
 
 class BadSteps:
-    """Which steps are applied: a non-finite step or a spike changes nothing and its batch is never read again; a burst
-    rolls back to the checkpoint before it (PaLM's recipe), skipping its data; right after a load, a loss far beyond
-    the limits means a damaged checkpoint: back to the one before."""
+    """Which steps are applied: a non-finite step or a spike changes nothing and its batch is skipped; a burst rolls
+    back to the checkpoint before it (PaLM's recipe); a loss far beyond the limits after a load: a damaged one."""
     KEPT = ("skipped", "skipped_data", "recent", "spikes", "rollbacks")
 
     def __init__(self, tc, events: Events):
@@ -330,7 +327,7 @@ class BadSteps:
         self.rollbacks = 0
         self.just_loaded = False  # the next step is the first after a checkpoint was loaded
         self.back_to = None  # after a burst or damage: (the newest step to load, why, event name, its data)
-        self.bf16_since = None  # the first step of a burst in fp8 or mxfp8: the run goes on in bf16
+        self.bf16_since = None  # the first step of a burst in fp8 or mxfp8, after which the run trains in bf16
 
     def state_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.KEPT} | {"bf16_since": self.bf16_since}
@@ -376,8 +373,8 @@ class BadSteps:
             damaged_above = spike_limits(self.recent, DAMAGE_FACTOR * tc.spike_threshold)[0]
             if loss > damaged_above:  # the data is not to blame: nothing is skipped
                 self.back_to = (step - 1, f"step {step + 1}, the first after loading the checkpoint of step {step}, "
-                                f"has loss {loss:.4g}, above the {damaged_above:.4g} its recorded losses allow: that "
-                                f"checkpoint looks damaged", "damaged_checkpoint", None)
+                                f"has loss {loss:.4g} > {damaged_above:.4g}: that checkpoint looks damaged",
+                                "damaged_checkpoint", None)
                 return False
             limits = limits if full else (damaged_above, math.inf)
         if math.isfinite(loss) and math.isfinite(grad_norm) and loss <= limits[0] and grad_norm <= limits[1]:
@@ -420,8 +417,7 @@ class BadSteps:
 # --- checkpoints written in the background, on a clock, at the end and on preemption
 
 class Checkpoints:
-    """One checkpoint written at a time, complete once every rank has written it. A failed write (a full disk) is
-    said and training goes on, except at the end."""
+    """One checkpoint written at a time, complete once every rank has written it; a failed one is said."""
 
     def __init__(self, tc, events: Events, master: bool, device: torch.device):
         self.tc = tc
@@ -438,8 +434,8 @@ class Checkpoints:
         self.disk_low = False
 
     def due(self, step: int, applied: bool, requested: bool) -> tuple[bool, bool, bool]:
-        """(save now, the last save is written on every rank, preempted), agreed in one all-reduce: a signal may reach
-        some ranks only, and the clock is rank 0's."""
+        """(save now, the last save is written, preempted), agreed in one all-reduce: a signal may reach some ranks
+        only, and the clock is rank 0's."""
         tc = self.tc
         writing = self.pending is not None and not self.pending.done()
         clock = self.master and tc.ckpt_minutes > 0 and time.time() - self.started >= 60 * tc.ckpt_minutes
@@ -498,8 +494,8 @@ class Checkpoints:
 # --- preemption signals, and a watchdog for hangs
 
 class Watchdog:
-    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0;
-    a second Ctrl-C stops at once. No step for --step_timeout seconds: a hang report, then exit 3."""
+    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0.
+    No step for --step_timeout seconds: a hang report, then exit 3."""
 
     def __init__(self, timeout_s: float, hang_dir: str, events: Events):
         self.requested = self.interrupted = False
@@ -550,8 +546,8 @@ class Watchdog:
 # (torch's own analyser, torchfrtrace, reads NCCL's dumps but fails on gloo's in torch 2.13: this works on both)
 
 def collectives() -> dict:
-    """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [...]} (entered > completed: it waits in collective `entered`), {} or {"error": why}."""
+    """This rank's process groups and last collectives as the Flight Recorder saw them (entered > completed: it waits
+    in collective `entered`)."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -574,8 +570,7 @@ def collectives() -> dict:
 
 
 def hang_verdict(records: dict[int, dict], world: int) -> str:
-    """Rank 0's sentence from {rank: collectives() and host}: in each process group where a rank waits, the ranks that
-    never entered that collective; then the ranks that sent no record."""
+    """In each process group where a rank waits, the ranks that never entered that collective; the silent ranks."""
     def named(ranks) -> str:
         return ", ".join(f"rank {r}" + (f" ({records[r]['host']})" if r in records else "") for r in ranks)
 
@@ -604,8 +599,8 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
-    """Write HANG_DIR/rank_NNNNN.txt; swap records through the job's store, which answers while collectives hang. Rank
-    0 returns hang_verdict's sentence; the others wait for hang/said lest their exit end it."""
+    """Write HANG_DIR/rank_NNNNN.txt; swap records through the job's store, which answers while collectives hang.
+    Rank 0 returns hang_verdict's sentence."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -657,7 +652,7 @@ def parse_drills(text: str) -> dict[str, list[float]]:
 
 
 class Drills:
-    """The faults --drill injects. Only a first launch dies or hangs, so that the restarted job finishes."""
+    """The faults --drill injects. Only a first launch dies or hangs: the restarted job finishes."""
 
     def __init__(self, text: str, rank: int, world: int):
         self.at = parse_drills(text)
@@ -697,8 +692,8 @@ REPEATED_EPOCHS = 4  # past ~4 epochs of one source, repeats teach little (Muenn
 
 
 def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> tuple[dict, str | None]:
-    """The record's per-rank seconds per step, the slowest rank and how much its own time (data + compute) exceeds the
-    other ranks' median; past `threshold`, the sentence naming it."""
+    """The record's per-rank seconds per step and how much the slowest rank's own time (data + compute) exceeds the
+    others' median; past `threshold`, the sentence naming it."""
     record = {f"{part}_s_ranks": [round(t[p], 4) for t in times_RP] for p, part in enumerate(STEP_PARTS)}
     if len(times_RP) < 2:
         return record, None
@@ -718,7 +713,7 @@ def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> 
 
 
 class Meter:
-    """Speed and each rank's time per step since the last log line, and the run's summary."""
+    """Speed and each rank's time per step since the last log line; the run's summary."""
 
     def __init__(self, run, step: int):
         self.run = run
@@ -734,7 +729,7 @@ class Meter:
         self.hosts = parallel.gathered(socket.gethostname())  # to name a straggler where a person can find it
 
     def add(self, *seconds: float):
-        """This rank's seconds reading its batch, in the rest of its step, and waiting for the slowest rank."""
+        """This rank's seconds reading its batch, computing, and waiting for the slowest rank."""
         self.seconds_P += torch.tensor(seconds, dtype=torch.float64)
         self.timed += 1
 
