@@ -73,7 +73,7 @@ class TrainConfig:
                                               "...; phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
     tokenizer: str = option("cl100k_base", "the data's tokenizer: tiktoken name or Hugging Face folder")
     seq_len: int = option(128, "tokens per sequence", POSITIVE)
-    doc_mask: bool = option(True, "intra-document attention masking (a token sees only its own document)")
+    doc_mask: bool = option(True, "a token attends only to its own document")
     # batch and schedule
     steps: int = option(150, "optimizer steps", POSITIVE)
     global_batch: int = option(8, "sequences per optimizer step, whatever the number of ranks", POSITIVE)
@@ -84,12 +84,12 @@ class TrainConfig:
     decay: str = option("cosine", "LR decay after warmup (wsd: flat, then linear)", one_of("cosine", "linear", "wsd"))
     wsd_decay_frac: float = option(0.2, "with --decay=wsd, the fraction of steps spent decaying",
                                    Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1"))
-    weight_decay: float = option(0.1, "AdamW weight decay on matrices (not norms or biases)", NON_NEGATIVE)
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices", NON_NEGATIVE)
     beta1: float = option(0.9, "AdamW beta1", FRACTION)
     beta2: float = option(0.95, "AdamW beta2", FRACTION)
     optimizer: str = option("adamw", "muon: Muon for the blocks' matrices, AdamW at --lr for the rest (as Trinity)",
                             one_of(*parallel.OPTIMIZERS))
-    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
+    muon_lr: float = option(5e-2, "peak Muon LR, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
     seed: int = option(0, "seed for initialisation and data order")
     # expert load balancing (model.update_expert_bias's rules)
@@ -102,44 +102,44 @@ class TrainConfig:
                                   "rest standing by (elastic jobs)", at_least(0, "auto (0) or at least 1"),
                                parse=lambda text: 0 if text == "auto" else int(text))
     dp_shard: int = option(0, "FSDP group size S (0: world / dp_replicate / cp)", NON_NEGATIVE)
-    ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
-    cp: int = option(1, "context parallelism: each sequence split over cp ranks (world = R x S x cp)",
+    ep: int = option(1, "expert-parallel degree (divides S)", POSITIVE)
+    cp: int = option(1, "context parallelism: each sequence split over cp ranks",
                      Rule(lambda v, c: v >= 1 and c.seq_len % v == 0, "a divisor of seq_len={seq_len}"))
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
     keep_gathered: bool = option(False, "FSDP gathers once per step, not per micro-batch (holds the whole model)")
-    compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
+    compile: bool | None = option(None, "torch.compile each block (default: with CUDA)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
     threads: int = option(0, "CPU threads per process (0: one per core)", OFF_OR_MORE)
     precision: str = option("bf16", "fp8, mxfp8: block matmuls via torchao (README)", one_of(*parallel.PRECISIONS))
-    keep_precision: bool = option(False, "keep --precision after a rollback (default: the run goes on in bf16)")
+    keep_precision: bool = option(False, "keep --precision after a rollback (default: bf16 from then on)")
     # logging and evaluation
-    out_dir: str = option("out", "where metrics.jsonl, status.json, config.json and checkpoints go")
+    out_dir: str = option("out", "where metrics, status.json, config.json and checkpoints go")
     log_every: int = option(10, "print a line every N steps (metrics.jsonl gets every step)", POSITIVE)
-    log_to: str = option("none", "also log to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
+    log_to: str = option("none", "also log to tensorboard, wandb or both")
     eval_every: int = option(50, "validate every N steps and at the end (0: only at the end)", NON_NEGATIVE)
-    eval_batches: int = option(4, "validation batches (of global_batch sequences) per evaluation", POSITIVE)
+    eval_batches: int = option(4, "validation batches per evaluation", POSITIVE)
     sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints (checkpoint.py)
-    ckpt_every: int = option(500, "checkpoint every N steps (0: only --ckpt_minutes, the end, preemption)", OFF_OR_MORE)
+    ckpt_every: int = option(500, "checkpoint every N steps (0: on the clock, at the end, on preemption)", OFF_OR_MORE)
     ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
     resume: str = option("auto", "auto: OUT_DIR's newest checkpoint that loads; none: start fresh; or a checkpoint")
-    overwrite: bool = option(False, "replace OUT_DIR's other run (checkpoints, metrics, config) instead of refusing")
+    overwrite: bool = option(False, "replace OUT_DIR's other run instead of refusing")
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule or stretch "
                                           "it over --steps", one_of("keep", "stretch"))
-    init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
+    init_from_hf: str = option("", "start from a Hugging Face afmoe folder")
     allow_changed: str = option("", "on resume, accept another data, tokenizer or seq_len (with global_batch)",
                                 Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer, data, seq_len"))
     # an unattended run (watch.py)
     step_timeout: float = option(600.0, "seconds without a step before a hang report and exit (0: off)", OFF_OR_MORE)
     spike_threshold: float = option(10.0, "skip a step whose loss or grad norm is this many robust deviations (log) "
                                           "above the window's median (0: only non-finite steps)", OFF_OR_MORE)
-    spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
+    spike_window: int = option(50, "applied steps the spike statistics span", at_least(3))
     spike_rollback: int = option(3, "bad steps within --spike_window that roll back to the checkpoint before", POSITIVE)
-    max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", NON_NEGATIVE)
+    max_rollbacks: int = option(5, "rollbacks a run may make before a burst stops it", NON_NEGATIVE)
     on_event: str = option("", "shell command run on each event, given NANOTITAN_* variables (README)")
-    drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (data steps' losses x 100), nan@30, crash@30, "
-                            "stall@30 (a first launch's last rank), straggle@1 (a rank), skew@0.1 (router bias)")
+    drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (losses x 100), nan@30, crash@30, stall@30 "
+                            "(the last rank), straggle@1 (a rank), skew@0.1 (router bias)")
 
     def __post_init__(self):
         check(self)
