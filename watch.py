@@ -56,8 +56,8 @@ def stop(message: str, code: int = 1):
 # --- one live job per OUT_DIR: a lease renewed by a heartbeat (works on NFS and Lustre, unlike flock)
 
 LEASE_BEAT_S = 2.0  # how often the holder renews it
-LEASE_STALE_S = 10.0  # a heartbeat that has not moved for this long, by the newcomer's own clock, is a job gone
-LEASE_WAIT_S = 60.0  # how long a newcomer waits for a live holder to leave before refusing
+LEASE_STALE_S = 10.0  # a heartbeat unchanged this long, by the newcomer's own clock: a job gone
+LEASE_WAIT_S = 60.0  # how long a newcomer waits for a live holder before refusing
 
 
 class Lease:
@@ -142,10 +142,10 @@ class Lease:
             os.remove(self.path)
 
 
-# --- what a person watching sees: one call per event feeds the console, metrics.jsonl, status.json, --on_event
+# --- what a person watching sees: the console, metrics.jsonl, status.json, --on_event
 
 EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is killed
-LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each the name of the package it needs
+LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each its package's name
 
 
 def log_sinks(log_to: str) -> list[str]:
@@ -278,7 +278,7 @@ class Events:
         if self.wandb:
             import wandb
             self.wandb.finish()
-            wandb.teardown()  # waits for W&B's service to write the run out: a torchrun worker leaves by os._exit
+            wandb.teardown()  # waits for W&B to write the run out: a torchrun worker leaves by os._exit
 
 
 def scalars_of(record: dict, prefix: str = "") -> dict:
@@ -294,9 +294,9 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
     return scalars
 
 
-# --- the bad-step policy: skip a spike with its batch, roll back a burst, stop past --max_rollbacks
+# --- the bad-step policy: skip a spike, roll back a burst, stop past --max_rollbacks
 
-SPREAD_FLOOR = 0.02  # the robust deviation of log values is at least this (2%): values that barely vary trip nothing
+SPREAD_FLOOR = 0.02  # the robust deviation of logs is at least 2%: values that barely vary trip nothing
 DAMAGE_FACTOR = 10  # right after a load, a loss this many times further than a spike's limit: a damaged checkpoint
 
 
@@ -340,7 +340,7 @@ class BadSteps:
             if self.precision() == "bf16" and self.tc.precision != "bf16":
                 say(f"training in bf16, not --precision={self.tc.precision}: a burst of bad steps from step "
                     f"{self.bf16_since + 1} left it (--keep_precision trains in {self.tc.precision} again)")
-        if fresh_statistics:  # other data or another tokenizer: the recorded losses say nothing of the new ones
+        if fresh_statistics:  # other data or tokenizer: the recorded losses say nothing of the new ones
             self.recent = []
         self.just_loaded = True
 
@@ -426,7 +426,7 @@ class Checkpoints:
         self.device = device
         self.root = os.path.join(tc.out_dir, "checkpoints")
         self.pending = None
-        self.in_flight = False  # from the start of a save until it is complete or failed
+        self.in_flight = False  # from a save's start until it is complete or failed
         self.started = time.time()
         self.step = 0
         self.final = False
@@ -631,7 +631,7 @@ def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     return f"{hang_verdict(records, world)}; each rank's stack and last collectives are in {hang_dir}/"
 
 
-# --- drills: faults injected on purpose, each rehearsed on one machine (--drill's help says what each does)
+# --- drills: faults injected on purpose, each rehearsed on one machine
 
 DRILLS = ("spike", "nan", "crash", "stall", "straggle", "skew")
 
@@ -726,7 +726,7 @@ class Meter:
         self.repeated = set()  # sources said to be read more than REPEATED_EPOCHS times
         self.seconds_P = torch.zeros(len(STEP_PARTS), dtype=torch.float64)  # summed since the last log
         self.timed = 0
-        self.hosts = parallel.gathered(socket.gethostname())  # to name a straggler where a person can find it
+        self.hosts = parallel.gathered(socket.gethostname())  # a straggler is named with its host
 
     def add(self, *seconds: float):
         """This rank's seconds reading its batch, computing, and waiting for the slowest rank."""
@@ -747,7 +747,7 @@ class Meter:
         per_layer = [max_vio(c) for c in counts_LE]
         times_RP = torch.zeros(len(self.hosts), len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
         times_RP[self.run.rank] = self.seconds_P / max(self.timed, 1)
-        parallel.all_reduce_sum_(times_RP)  # every rank's mean seconds per step, in one all-reduce
+        parallel.all_reduce_sum_(times_RP)
         self.seconds_P.zero_()
         self.timed = 0
         # A launch's first step (compilation, cold caches) is recorded but not judged.
