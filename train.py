@@ -120,7 +120,7 @@ class TrainConfig:
     eval_batches: int = option(4, "validation batches per evaluation", POSITIVE)
     sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints (checkpoint.py)
-    ckpt_every: int = option(500, "checkpoint every N steps (0: on the clock, at the end, on preemption)", OFF_OR_MORE)
+    ckpt_every: int = option(500, "checkpoint every N steps (0: only --ckpt_minutes, the end, preemption)", OFF_OR_MORE)
     ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
     resume: str = option("auto", "auto: OUT_DIR's newest checkpoint that loads; none: start fresh; or a checkpoint")
@@ -128,16 +128,17 @@ class TrainConfig:
     resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule or stretch "
                                           "it over --steps", one_of("keep", "stretch"))
     init_from_hf: str = option("", "start from a Hugging Face afmoe folder")
-    allow_changed: str = option("", "on resume, accept another data, tokenizer or seq_len (with global_batch)",
+    allow_changed: str = option("", "on resume, accept other data, tokenizer or seq_len (with global_batch)",
                                 Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer, data, seq_len"))
     # an unattended run (watch.py)
-    step_timeout: float = option(600.0, "seconds without a step before a hang report and exit (0: off)", OFF_OR_MORE)
+    step_timeout: float = option(600.0, "seconds without a step before a hang report and exit (0: off); also the "
+                                        "collective timeout", OFF_OR_MORE)
     spike_threshold: float = option(10.0, "skip a step whose loss or grad norm is this many robust deviations (log) "
                                           "above the window's median (0: only non-finite steps)", OFF_OR_MORE)
     spike_window: int = option(50, "applied steps the spike statistics span", at_least(3))
     spike_rollback: int = option(3, "bad steps within --spike_window that roll back to the checkpoint before", POSITIVE)
     max_rollbacks: int = option(5, "rollbacks a run may make before a burst stops it", NON_NEGATIVE)
-    on_event: str = option("", "shell command run on each event, given NANOTITAN_* variables (README)")
+    on_event: str = option("", "shell command run on each event, given NANOTITAN_* variables; never saved (README)")
     drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (losses x 100), nan@30, crash@30, stall@30 "
                             "(the last rank), straggle@1 (a rank), skew@0.1 (router bias)")
 
