@@ -654,13 +654,11 @@ def parse_drills(text: str) -> dict[str, list[float]]:
 class Drills:
     """The faults --drill injects. Only a first launch dies or hangs: the restarted job finishes."""
 
-    def __init__(self, text: str, rank: int, world: int):
+    def __init__(self, text: str, rank: int, world: int, model):
         self.at = parse_drills(text)
         self.rank = rank
         self.doomed = restarts() == 0 and rank == world - 1  # the rank the crash and stall drills stop
         self.hook = None
-
-    def skew_router(self, model):
         for moe in model.moe_layers() if "skew" in self.at else ():  # a resume loads the saved bias over it
             moe.expert_bias[: 2 * model.cfg.top_k] += self.at["skew"][0]
 
