@@ -7,9 +7,7 @@ Pre-train an AfMoE model, from one CPU to thousands of GPUs: the same file runs 
     python train.py --config=out/config.json --lr=1e-3    # a run's saved config (or TOML), flags over it
     python train.py --help
 
-Each optimizer step: the rank's slice of the global batch in accumulated micro-batches, global gradient clipping, one
-optimizer step, then one expert-bias update from the global batch's tokens-per-expert counts. The loop is train();
-what keeps an unattended run alive (lease, signals, watchdog, events, bad steps, background checkpoints) is watch.py.
+The loop is train(); what keeps an unattended run alive (lease, watchdog, events, bad steps, checkpoints) is watch.py.
 """
 
 import contextlib
@@ -24,11 +22,12 @@ import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C, even while torch loads (seconds): one line and exit code 130, not a traceback
+if __name__ == "__main__":  # Ctrl-C, even while torch loads: one line and exit code 130, not a traceback
     def _interrupted(kind, value, traceback):
         if not issubclass(kind, KeyboardInterrupt):
             return sys.__excepthook__(kind, value, traceback)
-        print("interrupted: no checkpoint written; exiting", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # a second Ctrl-C in the loop says what it left
+            print(value.args[0] if value.args else "interrupted: no checkpoint written; exiting", file=sys.stderr)
         sys.exit(130)
     sys.excepthook = _interrupted
 
@@ -62,7 +61,7 @@ from parallel import say
 
 FRACTION = Rule(lambda v, _: 0 <= v < 1, "at least 0 and below 1")
 OFF_OR_MORE = at_least(0, "0 (off) or more")
-CHANGEABLE = ("tokenizer", "data", "seq_len")  # what --allow_changed may name (seq_len: with global_batch); seed fixed
+CHANGEABLE = ("tokenizer", "data", "seq_len")  # what --allow_changed may name
 
 
 @dataclass
@@ -70,93 +69,82 @@ class TrainConfig:
     """Every field is a --flag=value option checked by its rule; parallel.Layout checks how sizes and batches meet."""
     # model and data
     preset: str = option("tiny", "model preset (ModelConfig fields are flags too: --n_layers=8)", one_of(*PRESETS))
-    data: str = option(data.DEFAULT_DATA_DIR, "python data.py's output (the default corpus is prepared when absent) "
-                                              "or a Megatron-LM dataset's path prefix; a mixture: PATH:WEIGHT,...; "
-                                              "phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
+    data: str = option(data.DEFAULT_DATA_DIR, "data.py's output or a Megatron-LM path prefix; a mixture: PATH:WEIGHT,"
+                                              "...; phases: MIXTURE;STEP=MIXTURE;... (each from STEP on)")
     tokenizer: str = option("cl100k_base", "the data's tokenizer: tiktoken name or Hugging Face folder")
     seq_len: int = option(128, "tokens per sequence", POSITIVE)
-    doc_mask: bool = option(True, "intra-document attention masking (a token sees only its own document)")
+    doc_mask: bool = option(True, "a token attends only to its own document")
     # batch and schedule
     steps: int = option(150, "optimizer steps", POSITIVE)
     global_batch: int = option(8, "sequences per optimizer step, whatever the number of ranks", POSITIVE)
-    micro_batch: int = option(0, "sequences per rank per forward, accumulated (0: global_batch / world size)",
-                              NON_NEGATIVE)
+    micro_batch: int = option(0, "sequences per rank per forward (0: global_batch / world size)", NON_NEGATIVE)
     lr: float = option(5e-3, "peak learning rate", NON_NEGATIVE)
     min_lr_ratio: float = option(0.1, "final LR / peak LR", Rule(lambda v, _: 0 <= v <= 1, "between 0 and 1"))
     warmup_steps: int = option(20, "linear warmup steps", NON_NEGATIVE)
     decay: str = option("cosine", "LR decay after warmup (wsd: flat, then linear)", one_of("cosine", "linear", "wsd"))
     wsd_decay_frac: float = option(0.2, "with --decay=wsd, the fraction of steps spent decaying",
                                    Rule(lambda v, _: 0 < v <= 1, "above 0 and at most 1"))
-    weight_decay: float = option(0.1, "AdamW weight decay on matrices (not norms or biases)", NON_NEGATIVE)
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices", NON_NEGATIVE)
     beta1: float = option(0.9, "AdamW beta1", FRACTION)
     beta2: float = option(0.95, "AdamW beta2", FRACTION)
-    optimizer: str = option("adamw", "muon: Muon for the blocks' matrices, AdamW at --lr for embedding, head, router "
-                                     "and norms (as Trinity trained)", one_of(*parallel.OPTIMIZERS))
-    muon_lr: float = option(5e-2, "peak Muon LR on --lr's schedule, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
+    optimizer: str = option("adamw", "muon: Muon for the blocks' matrices, AdamW at --lr for the rest (as Trinity)",
+                            one_of(*parallel.OPTIMIZERS))
+    muon_lr: float = option(5e-2, "peak Muon LR, x sqrt(max(1, fan_out/fan_in))", NON_NEGATIVE)
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)", OFF_OR_MORE)
     seed: int = option(0, "seed for initialisation and data order")
     # expert load balancing (model.update_expert_bias's rules)
     balance: str = option("smebu", "expert-bias update once per step", one_of(*BALANCE_RULES))
-    bias_step: float = option(0.0, "its step size, SMEBU's λ or the sign rule's γ (0: the rule's own, Trinity's λ 5e-4 "
-                                   "or DeepSeek-V3's γ 1e-3)", NON_NEGATIVE)
+    bias_step: float = option(0.0, "its step size, SMEBU's λ or the sign rule's γ (0: the rule's own)", NON_NEGATIVE)
     bias_freeze_step: int = option(-1, "only steps 0 .. N-1 move the expert bias (-1: every step)",
                                    at_least(-1, "-1 (never) or a step number"))
     # parallelism and precision (parallel.py)
-    dp_replicate: int = option(1, "HSDP replicas R: world = R x S, parameters sharded over S = world / R; auto (or 0): "
-                                  "as many replicas of --dp_shard ranks as the world holds, the rest standing by "
-                                  "(elastic jobs)", at_least(0, "auto (0) or at least 1"),
+    dp_replicate: int = option(1, "HSDP replicas R (world = R x S x cp); auto (or 0): as many as the world holds, the "
+                                  "rest standing by (elastic jobs)", at_least(0, "auto (0) or at least 1"),
                                parse=lambda text: 0 if text == "auto" else int(text))
-    dp_shard: int = option(0, "FSDP group size S, x cp (0: world / dp_replicate / cp; fixed while an elastic world "
-                              "changes)", NON_NEGATIVE)
-    ep: int = option(1, "expert-parallel degree: divides S; routed experts split over ep consecutive ranks", POSITIVE)
-    cp: int = option(1, "context parallelism: each sequence split over cp ranks (world = R x S x cp)",
+    dp_shard: int = option(0, "FSDP group size S (0: world / dp_replicate / cp)", NON_NEGATIVE)
+    ep: int = option(1, "expert-parallel degree (divides S)", POSITIVE)
+    cp: int = option(1, "context parallelism: each sequence split over cp ranks",
                      Rule(lambda v, c: v >= 1 and c.seq_len % v == 0, "a divisor of seq_len={seq_len}"))
     ac: str = option("none", "activation checkpointing", one_of(*parallel.AC_MODES))
-    keep_gathered: bool = option(False, "FSDP keeps parameters gathered from the first forward to the last backward "
-                                        "(one all-gather per step, not two per micro-batch; the whole model's memory)")
-    compile: bool | None = option(None, "torch.compile each block (default: on with CUDA; off on CPU, slower there)")
+    keep_gathered: bool = option(False, "FSDP gathers once per step, not per micro-batch (holds the whole model)")
+    compile: bool | None = option(None, "torch.compile each block (default: with CUDA)")
     dtype: str = option("auto", "compute dtype (auto: bf16 on GPU, fp32 on CPU)", one_of("auto", "bf16", "fp32"))
-    threads: int = option(0, "CPU threads per process (0: torch's, one per core; busy CPU: 1 is faster)", OFF_OR_MORE)
+    threads: int = option(0, "CPU threads per process (0: one per core)", OFF_OR_MORE)
     precision: str = option("bf16", "fp8, mxfp8: block matmuls via torchao (README)", one_of(*parallel.PRECISIONS))
-    keep_precision: bool = option(False, "keep --precision after a rollback (default: the run goes on in bf16)")
+    keep_precision: bool = option(False, "keep --precision after a rollback (default: bf16 from then on)")
     # logging and evaluation
-    out_dir: str = option("out", "where metrics.jsonl, status.json, config.json and checkpoints go")
+    out_dir: str = option("out", "where metrics, status.json, config.json and checkpoints go")
     log_every: int = option(10, "print a line every N steps (metrics.jsonl gets every step)", POSITIVE)
-    log_to: str = option("none", "also log to tensorboard (OUT_DIR/tensorboard), wandb or both, comma-separated")
+    log_to: str = option("none", "also log to tensorboard, wandb or both")
     eval_every: int = option(50, "validate every N steps and at the end (0: only at the end)", NON_NEGATIVE)
-    eval_batches: int = option(4, "validation batches (of global_batch sequences) per evaluation", POSITIVE)
+    eval_batches: int = option(4, "validation batches per evaluation", POSITIVE)
     sample_tokens: int = option(48, "tokens sampled from a prompt at the end (0: none)", OFF_OR_MORE)
     # checkpoints (checkpoint.py)
     ckpt_every: int = option(500, "checkpoint every N steps (0: only --ckpt_minutes, the end, preemption)", OFF_OR_MORE)
     ckpt_minutes: float = option(30.0, "also checkpoint this many minutes after the last one (0: off)", OFF_OR_MORE)
     keep_ckpts: int = option(3, "keep the newest K complete checkpoints of this run", POSITIVE)
-    resume: str = option("auto", "auto: the newest complete checkpoint in OUT_DIR/checkpoints that loads; none: "
-                                 "start fresh; or a checkpoint directory")
-    overwrite: bool = option(False, "replace OUT_DIR's other run (checkpoints, metrics, config) instead of refusing")
-    resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule, then its "
-                                          "final LR, or stretch it over --steps", one_of("keep", "stretch"))
-    init_from_hf: str = option("", "start from a Hugging Face afmoe folder (python checkpoint.py export ...)")
-    allow_changed: str = option("", "on resume, accept other data, tokenizer or seq_len (and global_batch: a context "
-                                    "extension) than the checkpoint's, comma-separated",
+    resume: str = option("auto", "auto: OUT_DIR's newest checkpoint that loads; none: start fresh; or a checkpoint")
+    overwrite: bool = option(False, "replace OUT_DIR's other run instead of refusing")
+    resume_schedule: str = option("keep", "if --steps differs from the checkpoint's: keep its LR schedule or stretch "
+                                          "it over --steps", one_of("keep", "stretch"))
+    init_from_hf: str = option("", "start from a Hugging Face afmoe folder")
+    allow_changed: str = option("", "on resume, accept other data, tokenizer or seq_len (with global_batch)",
                                 Rule(lambda v, _: set(listed(v)) <= set(CHANGEABLE), "empty, tokenizer, data, seq_len"))
     # an unattended run (watch.py)
-    step_timeout: float = option(600.0, "seconds without a completed step before the watchdog reports a hang and "
-                                        "exits (0: off); also the collective timeout", OFF_OR_MORE)
-    spike_threshold: float = option(10.0, "skip a step and its batch if its loss or gradient norm is this many robust "
-                                          "deviations (log scale) above the last --spike_window steps' median (0: "
-                                          "only non-finite steps)", OFF_OR_MORE)
-    spike_window: int = option(50, "applied steps the spike statistics span (judged once it is full)", at_least(3))
-    spike_rollback: int = option(3, "this many bad steps within --spike_window roll back to the newest checkpoint "
-                                    "before the first, skipping their data", POSITIVE)
-    max_rollbacks: int = option(5, "rollbacks a run may make; the burst after the last stops it", NON_NEGATIVE)
-    on_event: str = option("", "shell command run on each event worth a person's attention, with NANOTITAN_EVENT, "
-                               "NANOTITAN_STEP, NANOTITAN_MESSAGE and NANOTITAN_OUT_DIR set (never saved)")
-    drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (data steps' losses x 100), nan@30, crash@30, "
-                            "stall@30 (a first launch's last rank), straggle@1 (a rank), skew@0.1 (router bias)")
+    step_timeout: float = option(600.0, "seconds without a step before a hang report and exit (0: off); also the "
+                                        "collective timeout", OFF_OR_MORE)
+    spike_threshold: float = option(10.0, "skip a step whose loss or grad norm is this many robust deviations (log) "
+                                          "above the window's median (0: only non-finite steps)", OFF_OR_MORE)
+    spike_window: int = option(50, "applied steps the spike statistics span", at_least(3))
+    spike_rollback: int = option(3, "bad steps within --spike_window that roll back to the checkpoint before", POSITIVE)
+    max_rollbacks: int = option(5, "rollbacks a run may make before a burst stops it", NON_NEGATIVE)
+    on_event: str = option("", "shell command run on each event, given NANOTITAN_* variables; never saved (README)")
+    drill: str = option("", "faults to rehearse, KIND@N,...: spike@60,61 (losses x 100), nan@30, crash@30, stall@30 "
+                            "(the last rank), straggle@1 (a rank), skew@0.1 (router bias)")
 
     def __post_init__(self):
         check(self)
-        watch.log_sinks(self.log_to)  # a sink without its package is refused before any data or model is touched
+        watch.log_sinks(self.log_to)  # a sink without its package is refused before any data is touched
         watch.parse_drills(self.drill)
 
 
@@ -168,11 +156,9 @@ TRAIN_FLAGS = ["--config"] + [f"--{f.name}" for cls in SETTINGS.values() for f i
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """The TrainConfig and the model-field overrides (precedence: defaults < preset < --config file < command line;
-    a --preset on the command line replaces the file's whole model table)."""
+    """The TrainConfig and the model-field overrides: defaults < preset < --config file < command line."""
     parser = Parser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
-    parser.add_argument("--config", default="", help="start from a config file, a run's OUT_DIR/config.json or TOML "
-                                                      "with [train] and [model] tables; flags given here override it")
+    parser.add_argument("--config", default="", help="a run's config.json or TOML with [train] and [model] tables")
     parser.add_settings(TrainConfig)
     parser.add_settings(ModelConfig, "model overrides (default: the preset's value)", show_defaults=False)
     given = vars(parser.parse_args(argv))  # only what the command line says
@@ -191,19 +177,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
 
 
 def parse_tool_args(parser: Parser, argv: list[str]):
-    """A tool's own flags (bench.py, plan.py), and the rest of argv, which must be train.py flags."""
+    """bench.py's or plan.py's own flags, and the rest of argv, which must be train.py flags."""
     args, rest = parser.parse_known_args(argv)
     refuse_unknown(parser, rest, also=TRAIN_FLAGS)
     return args, rest
 
 
 def model_config(tc: TrainConfig, overrides: dict, vocab_size: int) -> ModelConfig:
-    """The preset, sized to the tokenizer's vocabulary (padded to a multiple of 128), then the user's overrides."""
+    """The preset, sized to the tokenizer's vocabulary, then the user's overrides."""
     cfg = dataclasses.replace(PRESETS[tc.preset], **{"vocab_size": pad_vocab(vocab_size),
                                                      "max_seq_len": tc.seq_len, **overrides})
     if cfg.max_seq_len < tc.seq_len:
-        raise ValueError(f"--max_seq_len={cfg.max_seq_len} is below --seq_len={tc.seq_len}: the exported config would "
-                         f"say the model never saw such positions; raise it or leave it unset.")
+        raise ValueError(f"--max_seq_len={cfg.max_seq_len} is below --seq_len={tc.seq_len}; raise it or unset it.")
     return cfg
 
 
@@ -227,15 +212,14 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 # --- one optimizer step's pieces, which bench.py times as well
 
 def phase(name: str):
-    """A profiler range `train_step::name` around one phase of the step (bench.py reads them from its profile)."""
+    """A profiler range around one phase of the step, which bench.py reads."""
     return torch.profiler.record_function("train_step::" + name)
 
 
 def forward_backward(model, batch, tc: TrainConfig, autocast, source_B=None, n_sources: int = 1) -> dict:
-    """Forward and backward over the rank's rows of the global batch in micro-batches, then the global batch's numbers
-    (summed over ranks in one all-reduce) and the gradients clipped to their global norm, read in one host sync:
-    loss (lm + aux + z), lm_loss, aux_loss, z_loss, grad_norm, counts_LE, loss_by_source and tokens_sum (a checksum
-    of the token ids, exact in float64 below 2**53)."""
+    """Forward and backward over the rank's rows in micro-batches, then the global batch's numbers (one all-reduce)
+    and the gradients clipped to their global norm, read in one host sync. tokens_sum is a checksum of the token ids,
+    exact in float64 below 2**53."""
     device = next(model.parameters()).device
     with phase("batch to device"):
         tokens_BT, targets_BT, doc_ids_BT = (t.to(device, non_blocking=True) for t in batch)
@@ -265,7 +249,7 @@ def forward_backward(model, batch, tc: TrainConfig, autocast, source_B=None, n_s
     loss_S = torch.zeros(n_sources, dtype=torch.float64, device=device).index_add_(  # cp ranks: a chunk's mean each
         0, source_B.to(device), torch.cat(loss_B).double() / tc.cp)
     world = parallel.rank_world()[1]
-    with phase("all-reduce counts, losses"):  # counts and sums over the global batch; each rank's mean loss / world
+    with phase("all-reduce counts, losses"):  # sums over the global batch; each rank's mean loss / world
         numbers = torch.cat([losses.double() / world, loss_S, tokens_BT.sum().double().view(1),
                              counts_LE.flatten().double()])
         parallel.all_reduce_sum_(numbers)
@@ -279,7 +263,7 @@ def forward_backward(model, batch, tc: TrainConfig, autocast, source_B=None, n_s
 
 
 def update_biases(model, counts_LE: torch.Tensor, momentum_LE: torch.Tensor, tc: TrainConfig, step: int):
-    """Move each MoE layer's routing bias toward balance from the global batch's counts (SMEBU or the sign rule)."""
+    """Move each MoE layer's routing bias toward balance from the global batch's counts."""
     if tc.balance != "none" and (tc.bias_freeze_step < 0 or step < tc.bias_freeze_step):
         with phase("expert-bias update"):
             step_size = {"lam": tc.bias_step, "gamma": tc.bias_step} if tc.bias_step else {}
@@ -289,7 +273,7 @@ def update_biases(model, counts_LE: torch.Tensor, momentum_LE: torch.Tensor, tc:
 
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask: bool) -> float:
-    """Mean LM loss over the first n validation batches (the same rows every time), averaged over ranks."""
+    """Mean LM loss over the first n validation batches (the same rows every time), over all ranks."""
     model.eval()
     total = torch.zeros((), device=next(model.parameters()).device)
     count = 0
@@ -307,20 +291,19 @@ def evaluate(model, loader, n_batches: int, micro_batch: int, autocast, doc_mask
 
 @dataclass
 class Run:
-    """Where and how this launch computes, settled on every rank (the layout checked) before any collective."""
+    """Where and how this launch computes, settled on every rank before any collective."""
     tc: TrainConfig
     cfg: ModelConfig
     layout: parallel.Layout
     rank: int
     device: torch.device
     autocast: contextlib.AbstractContextManager
-    dtype: torch.dtype | None  # the compute dtype under autocast, None for fp32
+    dtype: torch.dtype | None  # under autocast; None: fp32
     master: bool = False
 
 
 def make_run(tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: torch.device) -> Run:
-    """The Run of this rank: the layout of `world` ranks checked against the model and batch, --micro_batch=0
-    resolved to the rank's whole share, bf16 autocast on a GPU unless --dtype says otherwise."""
+    """The Run of this rank: the layout checked against the model and batch, bf16 autocast on a GPU by default."""
     layout = parallel.Layout.for_world(world, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp)
     tc = with_micro_batch(tc, layout.dp)
     layout.check(cfg, tc.global_batch, tc.micro_batch)
@@ -330,19 +313,19 @@ def make_run(tc: TrainConfig, cfg: ModelConfig, rank: int, world: int, device: t
 
 
 def with_micro_batch(tc: TrainConfig, rows: int) -> TrainConfig:
-    """--micro_batch=0 resolved: a rank's whole share of the global batch over `rows` ranks, in one forward."""
+    """--micro_batch=0 resolved: a rank's whole share of the global batch over `rows` ranks."""
     return dataclasses.replace(tc, micro_batch=max(1, tc.global_batch // rows)) if tc.micro_batch == 0 else tc
 
 
 def claim_out_dir(tc: TrainConfig, master: bool) -> watch.Lease | None:
-    """OUT_DIR made and its lease taken on rank 0 (one live job per OUT_DIR), or one sentence on every rank."""
+    """OUT_DIR made and its lease taken on rank 0, or one sentence on every rank."""
     try:
         os.makedirs(tc.out_dir, exist_ok=True)
         if not os.access(tc.out_dir, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
-        raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory this user "
-                         f"can create and write.") from None
+        raise ValueError(f"--out_dir={tc.out_dir} cannot be written to ({e.strerror}); choose a directory you can "
+                         f"write.") from None
     lease, refusal = None, None
     if master:
         try:
@@ -356,8 +339,7 @@ def claim_out_dir(tc: TrainConfig, master: bool) -> watch.Lease | None:
 
 
 def resume_source(tc: TrainConfig, master: bool) -> str | None:
-    """A run in OUT_DIR is continued (--resume=auto, or one of its checkpoints), replaced (--overwrite) or refused.
-    What to resume: a checkpoint, the checkpoints folder (its newest that loads) or None."""
+    """What to resume (a checkpoint, the checkpoints folder or None); another run in OUT_DIR is replaced or refused."""
     root = os.path.join(tc.out_dir, "checkpoints")
     if tc.init_from_hf and tc.resume not in ("auto", "none"):
         raise ValueError(f"--init_from_hf and --resume={tc.resume} both name the weights to start from; pass one.")
@@ -369,7 +351,7 @@ def resume_source(tc: TrainConfig, master: bool) -> str | None:
     # A restarted job's files are its first attempt's; a checkpoint of this OUT_DIR's run continues it.
     if watch.restarts() or (resume_from and Path(os.path.abspath(resume_from)).is_relative_to(os.path.abspath(root))):
         return resume_from
-    # A run is its checkpoints and metrics; a config.json alone is what a launch that failed before its first step left.
+    # A config.json alone is what a launch that failed before its first step left.
     present = [name for name in ("checkpoints", "metrics.jsonl", "config.json") if Path(tc.out_dir, name).exists()]
     if os.path.exists(os.path.join(tc.out_dir, "metrics.jsonl")) or (os.path.isdir(root) and os.listdir(root)):
         if not tc.overwrite:
@@ -384,7 +366,7 @@ def resume_source(tc: TrainConfig, master: bool) -> str | None:
 
 
 def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: torch.device) -> tuple[Run, dict]:
-    """The Run (data checked, model config, layout) and its resolved config, which config.json and checkpoints keep."""
+    """The Run and its resolved config, which config.json and checkpoints keep."""
     torch.manual_seed(tc.seed)
     if tc.data == data.DEFAULT_DATA_DIR and not os.path.exists(os.path.join(tc.data, "manifest.json")):
         if rank == 0:  # the default corpus is prepared on first use; the other ranks wait
@@ -392,7 +374,7 @@ def prepare(tc: TrainConfig, overrides: dict, rank: int, world: int, device: tor
         if dist.is_initialized():
             dist.barrier()
     mixture = data.Mixture(tc.data, tc.tokenizer)
-    tokenizer = mixture.tokenizer  # its manifest fields: name, vocab_size, a Hugging Face folder's tokenizer_path
+    tokenizer = mixture.tokenizer  # name, vocab_size and a Hugging Face folder's tokenizer_path
     if tc.init_from_hf:
         cfg = dataclasses.replace(checkpoint.hf_config(tc.init_from_hf), **overrides)
         data.check_vocabulary(tokenizer, tc.init_from_hf)  # the embedding rows must mean the data's tokens
@@ -416,8 +398,8 @@ FREE_MODEL_FIELDS = ("max_seq_len", "init_std", "aux_loss_coef", "z_loss_coef") 
 
 
 def compare_settings(resume_from: str, resolved: dict):
-    """The one compatibility check of a resume: another architecture is refused; so are another seed, length or batch
-    (they fix the data order), and other data, tokenizer or length unless --allow_changed; other settings are listed."""
+    """The one compatibility check of a resume: another architecture, seed, length or batch is refused, and other data
+    or tokenizer unless --allow_changed; other changes are listed."""
     path, saved, _ = checkpoint.saved_checkpoint(resume_from)
     model = {name: (saved["model"].get(name), value) for name, value in resolved["model"].items()
              if saved["model"].get(name) != value}
@@ -440,9 +422,9 @@ def compare_settings(resume_from: str, resolved: dict):
         changed["tokenizer"] = (saved["tokenizer"]["name"], resolved["tokenizer"]["name"])
     allowed = set(listed(resolved["train"]["allow_changed"]))
     for name in [n for n in FIXED if n in changed and not ("seq_len" in allowed and n in ("seq_len", "global_batch"))]:
-        how = "" if name == "seed" else ", pass --allow_changed=seq_len to re-cut the data from here (more context)"
+        how = "" if name == "seed" else " or pass --allow_changed=seq_len (a context extension)"
         raise ValueError(f"--{name}={changed[name][1]} differs from checkpoint {path}'s {changed[name][0]}, which "
-                         f"fixes the data order; resume with --{name}={changed[name][0]}{how}, or start a new run.")
+                         f"fixes the data order; resume with --{name}={changed[name][0]}{how}, or start anew.")
     for name in [n for n in CHANGEABLE if n in changed and n not in allowed]:
         old, new = changed[name]
         how = "its contents changed since; restore them" if old == new else f"{old}); resume with --{name}={old}"
@@ -451,16 +433,15 @@ def compare_settings(resume_from: str, resolved: dict):
     if changed:
         say(f"resuming {path} with settings that differ from its own:\n" +
             "\n".join(f"  {name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()))
-    if "seq_len" in changed:  # the loader has no state: each source's place is a function of its sequences and step
-        say("  seq_len: each source is cut into sequences of the new length, read from where a run of them from step 0 "
-            "would be at this step, in their own order (some tokens read before come again); the LR schedule goes on")
-    if "data" in changed:  # the loader has no state: each source's place is a function of the mixture and the step
-        say("  data: each source goes on from where the new --data puts it at this step, as if it had held from "
-            "step 0; a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before STEP as they were")
+    # The loader has no state: each source's place is a function of the mixture, the sequence length and the step.
+    if "seq_len" in changed:
+        say("  seq_len: each source is read in the new length from where it would be at this step (some tokens again)")
+    if "data" in changed:
+        say("  data: read as if the new --data had held from step 0; --data='OLD;STEP=NEW' keeps the steps before STEP")
 
 
 def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
-    """This rank's train loader, and a validation loader by path for each source that has a val split."""
+    """This rank's train loader, and a validation loader by path for each source with a val split."""
     tc = run.tc
     rows, chunk = run.layout.data_rank(run.rank)  # the cp ranks of a group read the same rows, a chunk each
 
@@ -477,12 +458,12 @@ def loaders(run: Run) -> tuple[data.DataLoader, dict[str, data.DataLoader]]:
     return train_loader, val
 
 
-# fp32 copies of the weights training keeps, by optimizer: weights, gradients, moments (AdamW two; Muon one, nearly all)
+# fp32 copies of the weights by optimizer: weights, gradients, moments (AdamW two; Muon one, nearly all)
 STATE_COPIES = {"adamw": 4, "muon": 3}
 
 
 def build(run: Run, copies: int | None = None):
-    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` (or STATE_COPIES)."""
+    """(model, optimizer): built on meta, sharded, initialised; the memory check counts `copies` fp32 copies."""
     mesh = parallel.build_mesh(run.layout, run.device.type)
     model = parallel.build_model(run.cfg, run.layout, mesh, run.device, ac=run.tc.ac, compile=run.tc.compile,
                                  param_dtype=run.dtype, seed=run.tc.seed, precision=run.tc.precision,
@@ -505,13 +486,12 @@ class TrainState:
 
 def restore(source: str, run: Run, model, optimizer, state: TrainState, bad_steps: watch.BadSteps,
             up_to: int | None = None) -> dict | None:
-    """The one load path, for resume, rollback and fall-back: load checkpoint `source` or, given the checkpoints
-    folder, its newest that loads (of a step at most up_to) into model, optimizer and state; the saved train state,
-    or None when there is none."""
+    """The one load path, for resume, rollback and fall-back: checkpoint `source` or the checkpoints folder's newest
+    that loads (of a step at most up_to); the saved train state, or None."""
     targets = {"model": model, "optim": optimizer, "train": {"momentum": state.momentum}}
     if source == os.path.join(run.tc.out_dir, "checkpoints"):  # a damaged checkpoint: the one before it
         source, saved = checkpoint.load_latest(source, targets, say=say, up_to=up_to)
-    else:  # named by the user: that one (a folder of checkpoints: its newest)
+    else:  # named by the user (a folder of checkpoints: its newest)
         source = checkpoint.saved_checkpoint(source)[0]
         saved = checkpoint.load(source, targets)
     if saved is None:
@@ -524,25 +504,23 @@ def restore(source: str, run: Run, model, optimizer, state: TrainState, bad_step
 
 
 def lr_schedule(tc: TrainConfig, saved_steps: int) -> TrainConfig:
-    """The config whose steps lay out the LR schedule when --steps differs from the checkpoint's: its schedule then its
-    final LR (keep), or the schedule laid again over --steps (stretch)."""
+    """The config whose steps lay out the LR schedule when --steps differs from the checkpoint's."""
     if saved_steps == tc.steps:
         return tc
     if tc.resume_schedule == "stretch":
-        say(f"LR schedule: laid again over --steps={tc.steps}, not the checkpoint's {saved_steps} steps "
-            f"(--resume_schedule=stretch; keep holds the checkpoint's)")
+        say(f"LR schedule: laid again over --steps={tc.steps}, not the checkpoint's {saved_steps} steps")
         return tc
     kept = dataclasses.replace(tc, steps=saved_steps)
     say(f"LR schedule: the checkpoint's, over {saved_steps} steps, then its final LR {lr_at(saved_steps - 1, kept):.2e}"
-        f" (--resume_schedule=keep; stretch lays it over --steps={tc.steps})")
+        f" (--resume_schedule=stretch lays it over --steps={tc.steps})")
     return kept
 
 
 # --- the loop
 
 def train(run: Run, model, optimizer, state: TrainState, resolved: dict, alive: "Alive") -> dict:
-    """The optimizer steps of this launch, each read top to bottom: batch, forward and backward, accept or skip,
-    optimizer step, bias update; then log, evaluate and checkpoint when due."""
+    """The optimizer steps of this launch: batch, forward and backward, accept or skip, optimizer step, bias update;
+    then log, evaluate and checkpoint when due."""
     tc = run.tc
     loader, val_loaders = loaders(run)
     meter = watch.Meter(run, state.step)
@@ -571,11 +549,11 @@ def train(run: Run, model, optimizer, state: TrainState, resolved: dict, alive: 
         t_compute = time.perf_counter()
         # --- checkpoint decisions, agreed by all ranks: the step's closing collective
         save, written, preempted = alive.checkpoints.due(state.step, applied, alive.watchdog.requested)
-        alive.times.add(t_data - t_start, t_compute - t_data, time.perf_counter() - t_compute)
+        meter.add(t_data - t_start, t_compute - t_data, time.perf_counter() - t_compute)
         alive.watchdog.beat(step + 1)
         if written:  # every rank has written the last checkpoint: it is complete now, not at the next save
             alive.checkpoints.wait()
-        if alive.bad_steps.back_to is not None:  # a burst of bad steps, or a damaged checkpoint: load an earlier one
+        if alive.bad_steps.back_to is not None:  # a burst, or a damaged checkpoint: load an earlier one
             go_back(run, model, optimizer, state, alive)
             meter = watch.Meter(run, state.step)
             continue
@@ -600,14 +578,12 @@ def train(run: Run, model, optimizer, state: TrainState, resolved: dict, alive: 
                 say(f"{'interrupted' if alive.watchdog.interrupted else 'preempted'}: checkpoint written at step "
                     f"{state.step}; exiting")
             break
-        alive.drills.after_step(step)
     alive.checkpoints.wait()
-    return meter.summary(state, resolved, alive)
+    return meter.summary(state, alive)
 
 
 def go_back(run: Run, model, optimizer, state: TrainState, alive: "Alive"):
-    """Load the newest checkpoint at or before the step BadSteps sets back_to (keeping its skipped data); later
-    checkpoints are deleted, so that a restart never resumes them."""
+    """Load the newest checkpoint at or before BadSteps.back_to; later ones are deleted: no restart may resume them."""
     alive.checkpoints.wait()  # the checkpoint in flight is complete before any is loaded or deleted
     kept = alive.bad_steps.state_dict()
     root = alive.checkpoints.root
@@ -640,12 +616,11 @@ class Alive:
     checkpoints: watch.Checkpoints
     watchdog: watch.Watchdog
     drills: watch.Drills
-    times: watch.StepTimes
 
 
 def sample(run: Run, model, tokenizer: str):
-    """Say the --sample_tokens tokens the model writes after "def ", up to an end-of-text. Every rank draws all of them
-    (no early stop), so that the ranks of a sharded model make the same forwards even if their draws differ."""
+    """Say what the model writes after "def ". Every rank draws all --sample_tokens (no early stop): the ranks of a
+    sharded model must make the same forwards even if their draws differ."""
     enc = data.get_encoding(tokenizer)
     prompt = torch.tensor([enc.encode("def ")], device=run.device)
     torch.manual_seed(run.tc.seed)  # the same draws on every rank
@@ -656,7 +631,7 @@ def sample(run: Run, model, tokenizer: str):
 
 
 def main(tc: TrainConfig, overrides: dict) -> dict:
-    """Set up, build, resume, train, finish; the lease is given back however it ends. Returns the losses and step."""
+    """Set up, build, resume, train; the lease is given back however it ends. Returns the losses and step."""
     torch.set_num_threads(tc.threads or torch.get_num_threads())  # on a busy CPU, waiting threads stall each other
     launched = int(os.environ.get("WORLD_SIZE", "1"))  # the ranks past the layout's world stand by
     used = parallel.Layout.for_world(launched, tc.dp_replicate, tc.dp_shard, tc.ep, tc.cp).world
@@ -679,16 +654,15 @@ def setup_and_train(run: Run, resolved: dict, resume_from: str | None) -> dict:
     say(run.layout.describe(run.cfg.n_experts))
     if tc.dp_replicate == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch 2.11-2.13: torchrun's agents share their rendezvous store with the workers (README, Elastic jobs)
-        say("warning: a node joining this elastic job later would wait forever; set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's torchrun environment so that the job can grow")
+        say("warning: a node joining later would wait forever; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
+            "node's torchrun environment")
     model, optimizer = build(run)
     if tc.init_from_hf and resume_from is None:
         checkpoint.load_hf_into(model, tc.init_from_hf)  # each rank reads only the rows of its own shards
         say(f"initialised from {tc.init_from_hf}")
     n = meta_model(run.cfg).num_params()
     say(f"model: {n['total'] / 1e6:.1f}M parameters, {n['active'] / 1e6:.1f}M active")
-    drills = watch.Drills(tc.drill, run.rank, run.layout.world)
-    drills.skew_router(model)
+    drills = watch.Drills(tc.drill, run.rank, run.layout.world, model)
     state = TrainState(0, torch.zeros(len(model.moe_layers()), run.cfg.n_experts, device=run.device), tc)
     events = watch.Events(tc.out_dir, run.master, watch.log_sinks(tc.log_to), tc.on_event, resolved)
     bad_steps = watch.BadSteps(tc, events)
@@ -697,7 +671,7 @@ def setup_and_train(run: Run, resolved: dict, resume_from: str | None) -> dict:
         state.run_id = parallel.gathered(uuid.uuid4().hex[:12])[0]  # every rank names the run alike
     else:
         state.schedule = lr_schedule(tc, saved["schedule_steps"])
-    if state.step >= tc.steps:  # before any file is written: a run with nothing to do changes nothing
+    if state.step >= tc.steps:  # before any file is written: nothing to do changes nothing
         say(f"already at step {state.step} of {tc.steps}; pass a larger --steps to train further")
         return {"first_loss": None, "loss": None, "val_loss": None, "step": state.step}
     if run.master:
@@ -710,8 +684,7 @@ def setup_and_train(run: Run, resolved: dict, resume_from: str | None) -> dict:
         events.event("restart" if watch.restarts() else "resume", state.step, f"resumed from {saved['path']} at step "
                      f"{state.step}, {world}{steps_lost} logged steps trained again")
     alive = Alive(events, bad_steps, watch.Checkpoints(tc, events, run.master, run.device),
-                  watch.Watchdog(tc.step_timeout, os.path.join(tc.out_dir, "hang"), events), drills,
-                  watch.StepTimes(run.rank, run.layout.world, run.device))
+                  watch.Watchdog(tc.step_timeout, os.path.join(tc.out_dir, "hang"), events), drills)
     events.update(steps=tc.steps, step=state.step, world_size=run.layout.world, layout={
         "dp_replicate": run.layout.dp_replicate, "dp_shard": run.layout.dp_shard, "ep": run.layout.ep})
     try:
@@ -734,14 +707,10 @@ if __name__ == "__main__":
     try:
         main(*parse_args())
     except (data.DataError, ValueError, FileNotFoundError, checkpoint.SaveFailed, watch.Stopped) as e:
-        # A bad flag or layout fails alike on every rank (rank 0 says it); bad data can be one rank's own (it says it).
+        # A bad flag fails alike on every rank (rank 0 says it); bad data can be one rank's own.
         if os.environ.get("RANK", "0") == "0" or isinstance(e, data.DataError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops the other ranks when one exits: give rank 0 time to say why first
             time.sleep(2)
         sys.exit(1 if isinstance(e, (checkpoint.SaveFailed, watch.Stopped)) else 2)
-    except KeyboardInterrupt as e:  # before the loop (nothing to save yet), or a second Ctrl-C (it says what it left)
-        if os.environ.get("RANK", "0") == "0":
-            print(e.args[0] if e.args else "interrupted: no checkpoint written; exiting", file=sys.stderr)
-        sys.exit(130)
     parallel.finish(0)  # after main returned: the model and optimizer are out of scope

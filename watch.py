@@ -1,14 +1,9 @@
 """
-What keeps an unattended run alive, so that train.py's loop can stay about training: one live job per OUT_DIR (a
-lease), preemption signals and a hang watchdog, what a person watching sees (events: console, metrics.jsonl,
-status.json, --on_event), stragglers, the bad-step policy (skip a spike, roll back a burst), checkpoints written in
-the background without losing work, and the fault drills that rehearse all of it.
+What keeps an unattended run alive, so that train.py's loop stays about training: lease, signals, watchdog, events,
+stragglers, bad steps, background checkpoints and the drills that rehearse them.
 
     python train.py --drill=spike@60,61,62 --ckpt_every=50        # a burst of spikes: rolled back
     python train.py --on_event='curl -d "$NANOTITAN_MESSAGE" ntfy.sh/my-run'
-    python -m pytest tests/test_health.py tests/test_watch.py tests/test_elastic.py -q
-
-train.py reaches it through a few objects made per launch: Lease, Events, BadSteps, Checkpoints, Watchdog, Drills.
 """
 
 import contextlib
@@ -40,120 +35,120 @@ from parallel import say
 
 
 class Stopped(RuntimeError):
-    """The run stopped itself (a burst of bad steps with no rollback left): one sentence, said as it stops."""
+    """The run stopped itself (a burst of bad steps with no rollback left)."""
 
 
 def restarts() -> int:
-    """How many times torchrun restarted this job (0: its first launch)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # 0: the job's first launch
 
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def stop(message: str, code: int = 1):
+    """End this process at once from any thread: under torchrun the other ranks follow."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 # --- one live job per OUT_DIR: a lease renewed by a heartbeat (works on NFS and Lustre, unlike flock)
 
 LEASE_BEAT_S = 2.0  # how often the holder renews it
-LEASE_STALE_S = 10.0  # a heartbeat that has not moved for this long, by the newcomer's own clock, is a job gone
-LEASE_WAIT_S = 60.0  # how long a newcomer waits for a live holder to leave before refusing
+LEASE_STALE_S = 10.0  # a heartbeat unchanged this long, by the newcomer's own clock: a job gone
+LEASE_WAIT_S = 60.0  # how long a newcomer waits for a live holder before refusing
 
 
 class Lease:
     """OUT_DIR/lease.json, held by rank 0 of the live job. Liveness is the heartbeat's age alone (a pid means nothing
-    in another container; no clocks are compared); an unreadable lease ages like any other. A restart of the same
-    torchrun job takes its earlier launch's lease at once. A holder that cannot renew stops before it looks stale."""
+    in another container); a restart of the same torchrun job takes its earlier launch's lease at once."""
 
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, "lease.json")
-        self.job = os.environ.get("TORCHELASTIC_RUN_ID")
-        self.mine = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "job": self.job,
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.mine = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "job": job,
                      "restart": restarts(), "beat": 0}
         seen = None
         since = start = time.monotonic()
-        while True:
-            text = self.read()
-            held = self.parse(text)
-            earlier_launch = self.job is not None and held.get("job") == self.job and \
-                held.get("restart", math.inf) < restarts()
+        while not self.create():
+            text, held = self.read()
+            if text is None:  # given back since create() looked: claim it again
+                continue
+            earlier_launch = job is not None and held.get("job") == job and held.get("restart", math.inf) < restarts()
             if text != seen:  # first look, or the heartbeat moved: its job is alive
                 seen = text
                 since = time.monotonic()
-            stale = time.monotonic() - since > LEASE_STALE_S
-            if text is None or stale or earlier_launch:
+            if time.monotonic() - since > LEASE_STALE_S or earlier_launch:
                 self.write()
                 time.sleep(0.5)  # a job that wrote at the same moment: the last write wins, the other one waits
-                if self.parse(self.read()).get("owner") == self.mine["owner"]:
+                if self.read()[1].get("owner") == self.mine["owner"]:
+                    why = "an earlier launch of this job" if earlier_launch else f"unchanged for {LEASE_STALE_S:g}s"
+                    holder = f"host {held.get('host')} pid {held.get('pid')}" if held else "an unreadable lease"
+                    say(f"lease of {out_dir} taken over from {holder}: {why}")
                     break
                 continue
             if time.monotonic() - start >= LEASE_WAIT_S:
                 raise ValueError(f"--out_dir={out_dir} is in use by another job (host {held.get('host')}, pid "
-                                 f"{held.get('pid')}, heartbeat moving); wait for it to end or stop it, or choose "
-                                 f"another --out_dir.")
+                                 f"{held.get('pid')}, heartbeat moving); stop it or choose another --out_dir.")
             time.sleep(0.5)
-        if text is not None:
-            why = "an earlier launch of this job" if earlier_launch else f"unchanged for {LEASE_STALE_S:g}s"
-            holder = f"host {held.get('host')} pid {held.get('pid')}" if held.get("owner") else "an unreadable lease"
-            say(f"lease of {out_dir} taken over from {holder}: {why}")
         self.renewed = time.monotonic()
         self.stopped = threading.Event()
         threading.Thread(target=self.renew, daemon=True).start()
 
-    def read(self) -> str | None:
+    def create(self) -> bool:
+        """Claim an absent lease: O_EXCL makes it atomic, so no wait is needed to see who won."""
         try:
-            return Path(self.path).read_text()
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as e:  # unreadable: it ages as garbage does
-            return f"unreadable: {e}"
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        self.write()
+        return True
 
-    @staticmethod
-    def parse(text: str | None) -> dict:
-        with contextlib.suppress(ValueError, TypeError):
+    def read(self) -> tuple[str | None, dict]:
+        """The lease's text (None: absent) and its fields ({}: garbage, which ages like any text)."""
+        try:
+            text = Path(self.path).read_text()
             held = json.loads(text)
-            if isinstance(held, dict):
-                return held
-        return {}
+        except FileNotFoundError:
+            return None, {}
+        except (OSError, UnicodeDecodeError) as e:
+            return f"unreadable: {e}", {}
+        except ValueError:
+            return text, {}
+        return text, held if isinstance(held, dict) else {}
 
     def write(self):
         self.mine["beat"] += 1
         data.write_durably(self.path, json.dumps(self.mine))
 
     def renew(self):
+        where = os.path.dirname(self.path)
         while not self.stopped.wait(LEASE_BEAT_S):
-            held = self.parse(self.read())
+            held = self.read()[1]
             if held.get("owner", self.mine["owner"]) != self.mine["owner"]:
-                stop(f"lease of {os.path.dirname(self.path)} taken over by host {held.get('host')} pid "
-                     f"{held.get('pid')}: this job stops")
+                stop(f"lease of {where} taken over by host {held.get('host')} pid {held.get('pid')}: this job stops")
             try:
                 self.write()
                 self.renewed = time.monotonic()
             except OSError as e:  # a full disk may pass: retry, but stop before another job may judge us gone
                 if time.monotonic() - self.renewed > LEASE_STALE_S / 2:
-                    stop(f"lease of {os.path.dirname(self.path)} not renewed for {LEASE_STALE_S / 2:g}s "
-                         f"({e.strerror or e}): this job stops before another one could take it over")
+                    stop(f"lease of {where} not renewed for {LEASE_STALE_S / 2:g}s ({e.strerror or e}): this job stops "
+                         f"before another one could take it over")
 
     def release(self):
         self.stopped.set()
-        if self.parse(self.read()).get("owner") == self.mine["owner"]:
+        if self.read()[1].get("owner") == self.mine["owner"]:
             os.remove(self.path)
 
 
-def stop(message: str, code: int = 1):
-    """End this process at once from any thread, saying why: under torchrun the other ranks follow."""
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
-
-
-# --- what a person watching sees: one call per event feeds the console, metrics.jsonl, status.json, --on_event
+# --- what a person watching sees: the console, metrics.jsonl, status.json, --on_event
 
 EVENT_TIMEOUT_S = 60  # an --on_event command still running after this long is killed
-LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each the name of the package it needs
+LOG_SINKS = ("tensorboard", "wandb")  # --log_to's choices, each its package's name
 
 
 def log_sinks(log_to: str) -> list[str]:
-    """The sinks --log_to names, refused in a sentence if unknown or not installed."""
     names = [] if log_to == "none" else listed(log_to)
     for name in names:
         if name not in LOG_SINKS:
@@ -167,22 +162,20 @@ def log_sinks(log_to: str) -> list[str]:
 
 
 class Events:
-    """Rank 0 appends each step's record to OUT_DIR/metrics.jsonl (and TensorBoard, W&B with --log_to) and rewrites
-    status.json; event() says a line on the console, adds it to the next record, to status.json, and runs --on_event.
-    A write that fails (a full disk) is said once and training goes on. A resumed run logs the steps after its
-    checkpoint again: rewind() forgets them first, in metrics.jsonl and TensorBoard."""
+    """Rank 0 appends each step's record to metrics.jsonl (and TensorBoard, W&B) and rewrites status.json; a failed
+    write (a full disk) is said once."""
 
     def __init__(self, out_dir: str, master: bool, log_to: list[str], command: str, resolved: dict):
         self.master = master
         self.out_dir = out_dir
         self.command = command
+        self.log_to = log_to
         self.status = {"restarts": restarts()}
         self.pending = []  # events for the next record
         self.failed = set()  # the files whose write failed, said once each
         self.waiting = []
         self.lock = threading.Lock()  # an event may come from another thread (the watchdog)
         self.tensorboard = self.wandb = None
-        self.log_to = log_to
         self.metrics = Path(out_dir, "metrics.jsonl")
         if master and "wandb" in log_to:  # W&B's own variables (WANDB_PROJECT, WANDB_MODE) choose where it goes
             import wandb
@@ -195,12 +188,11 @@ class Events:
             say(f"on each event: {command}")
 
     def rewind(self, step: int) -> int:
-        """Forget the records after `step` (a resumed or rolled back run logs them again); returns how many. Called
-        before the first record, it opens TensorBoard, whose new writer hides the events past `step`."""
+        """Forget the records after `step` (a resumed or rolled back run logs them again); returns how many."""
         forgotten = 0
         if self.master and self.metrics.exists():
             cut = Path(f"{self.metrics}.tmp")
-            with self.metrics.open() as old, cut.open("w") as new:  # streamed: a long run's file can be large
+            with self.metrics.open() as old, cut.open("w") as new:  # streamed: the file can be large
                 for line in old:
                     with contextlib.suppress(ValueError, KeyError, TypeError):  # a record cut short by a crash: gone
                         if json.loads(line)["step"] <= step:
@@ -208,7 +200,7 @@ class Events:
                             continue
                     forgotten += 1
             cut.replace(self.metrics)
-        if self.master and "tensorboard" in self.log_to:
+        if self.master and "tensorboard" in self.log_to:  # a new writer's purge_step hides the steps past `step`
             from torch.utils.tensorboard import SummaryWriter
             if self.tensorboard:
                 self.tensorboard.close()
@@ -216,7 +208,7 @@ class Events:
         return forgotten
 
     def event(self, name: str, step: int, message: str):
-        """Say `message` (one line) as event `name` at `step`; called alike on every rank."""
+        """Say `message`; rank 0 adds it to the next record and status.json, and runs --on_event."""
         say(message)
         if not self.master:
             return
@@ -226,9 +218,8 @@ class Events:
         if self.command:
             env = {**os.environ, "NANOTITAN_EVENT": name, "NANOTITAN_STEP": str(step), "NANOTITAN_MESSAGE": message,
                    "NANOTITAN_OUT_DIR": self.out_dir}
-            waiter = threading.Thread(target=self._run, args=(name, env), daemon=True)
-            waiter.start()
-            self.waiting.append(waiter)
+            self.waiting.append(threading.Thread(target=self._run, args=(name, env), daemon=True))
+            self.waiting[-1].start()
 
     def _run(self, name: str, env: dict):
         try:  # in its own session: torchrun tearing the job down does not kill the alert that says why
@@ -244,7 +235,7 @@ class Events:
             say(f"--on_event for {name} failed ({failed}); training goes on")
 
     def record(self, record: dict, **status):
-        """Rank 0: append the step's record (with the events since the last one), and update status.json."""
+        """Rank 0: append the step's record with the events since the last one; update status.json."""
         if not self.master:
             return
         if self.pending:
@@ -261,7 +252,6 @@ class Events:
         self.update(**status)
 
     def update(self, **numbers):
-        """Rank 0: rewrite status.json with the loop's latest `numbers`."""
         if self.master:
             with self.lock:
                 self.status.update(numbers, updated=now())
@@ -281,19 +271,18 @@ class Events:
                 say(f"{path} not written ({e.strerror or e}); training goes on")
 
     def close(self):
-        """Wait for the commands still running (each ends within EVENT_TIMEOUT_S); close the dashboards."""
-        for waiter in self.waiting:
+        for waiter in self.waiting:  # each command ends within EVENT_TIMEOUT_S
             waiter.join()
         if self.tensorboard:
             self.tensorboard.close()
         if self.wandb:
             import wandb
             self.wandb.finish()
-            wandb.teardown()  # waits for W&B's service to write the run out: a torchrun worker leaves by os._exit
+            wandb.teardown()  # waits for W&B to write the run out: a torchrun worker leaves by os._exit
 
 
 def scalars_of(record: dict, prefix: str = "") -> dict:
-    """A record's numbers by tag for the dashboards: lists as KEY/00, KEY/01, ..., dicts as KEY/NAME."""
+    """A record's numbers by dashboard tag: lists as KEY/00, KEY/01, ..., dicts as KEY/NAME."""
     scalars = {}
     for key, value in record.items():
         if isinstance(value, list):
@@ -305,15 +294,15 @@ def scalars_of(record: dict, prefix: str = "") -> dict:
     return scalars
 
 
-# --- the bad-step policy: skip a spike with its batch, roll back a burst, stop past --max_rollbacks
+# --- the bad-step policy: skip a spike, roll back a burst, stop past --max_rollbacks
 
-SPREAD_FLOOR = 0.02  # the robust deviation of log values is at least this (2%): values that barely vary trip nothing
+SPREAD_FLOOR = 0.02  # the robust deviation of logs is at least 2%: values that barely vary trip nothing
 DAMAGE_FACTOR = 10  # right after a load, a loss this many times further than a spike's limit: a damaged checkpoint
 
 
 def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
-    """(loss, gradient norm) limits: exp(median + threshold x 1.4826 x MAD) of the logs of `recent`. Gradient norms
-    are heavy-tailed: on the log scale a limit is a factor of the typical value, which healthy steps stay within."""
+    """(loss, grad norm) limits: exp(median + threshold x 1.4826 x MAD) of the logs of `recent`. Gradient norms are
+    heavy-tailed: on the log scale a limit is a factor of the typical value, which healthy steps stay within."""
     limits = []
     for values in zip(*recent):
         logs = [math.log(max(v, 1e-30)) for v in values]
@@ -324,11 +313,8 @@ def spike_limits(recent: list, threshold: float) -> tuple[float, float]:
 
 
 class BadSteps:
-    """Which steps are applied. A step whose loss or gradient norm is not finite, or beyond the spike limits of the
-    last --spike_window applied steps, is bad: it changes nothing and its batch is skipped (never read again).
-    --spike_rollback bad steps within the window are a burst: back to the newest checkpoint before the first
-    (PaLM's recipe), their data skipped; past --max_rollbacks a burst stops the run. Right after a load, a loss far
-    beyond the limits means a damaged checkpoint: back to the one before it. The state is saved in checkpoints."""
+    """Which steps are applied: a non-finite step or a spike changes nothing and its batch is skipped; a burst rolls
+    back to the checkpoint before it (PaLM's recipe); a loss far beyond the limits after a load: a damaged one."""
     KEPT = ("skipped", "skipped_data", "recent", "spikes", "rollbacks")
 
     def __init__(self, tc, events: Events):
@@ -341,7 +327,7 @@ class BadSteps:
         self.rollbacks = 0
         self.just_loaded = False  # the next step is the first after a checkpoint was loaded
         self.back_to = None  # after a burst or damage: (the newest step to load, why, event name, its data)
-        self.bf16_since = None  # a burst in --precision fp8 or mxfp8: its first step; the run goes on in bf16
+        self.bf16_since = None  # the first step of a burst in fp8 or mxfp8, after which the run trains in bf16
 
     def state_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.KEPT} | {"bf16_since": self.bf16_since}
@@ -354,17 +340,15 @@ class BadSteps:
             if self.precision() == "bf16" and self.tc.precision != "bf16":
                 say(f"training in bf16, not --precision={self.tc.precision}: a burst of bad steps from step "
                     f"{self.bf16_since + 1} left it (--keep_precision trains in {self.tc.precision} again)")
-        if fresh_statistics:  # other data or another tokenizer: the recorded losses say nothing of the new ones
+        if fresh_statistics:  # other data or tokenizer: the recorded losses say nothing of the new ones
             self.recent = []
         self.just_loaded = True
 
     def precision(self) -> str:
-        """The matmuls' precision: --precision, or bf16 after a burst of bad steps in low precision (parallel.py's
-        set_precision applies it), unless --keep_precision."""
         return "bf16" if self.bf16_since is not None and not self.tc.keep_precision else self.tc.precision
 
     def data_step(self, step: int) -> int:
-        """The loader step that step `step` reads: the (step + 1)-th outside the skipped windows."""
+        """The (step + 1)-th loader step outside the skipped windows."""
         for start, end in self.skipped_data:
             if step >= start:
                 step += end - start
@@ -380,7 +364,7 @@ class BadSteps:
         self.skipped_data = merged
 
     def judge(self, step: int, data_step: int, loss: float, grad_norm: float) -> bool:
-        """Whether step `step` is applied; a bad one is recorded, and a burst or damage sets back_to."""
+        """Whether step `step` is applied; a burst or damage sets back_to."""
         tc = self.tc
         full = tc.spike_threshold and len(self.recent) >= tc.spike_window
         limits = spike_limits(self.recent, tc.spike_threshold) if full else (math.inf, math.inf)
@@ -389,8 +373,8 @@ class BadSteps:
             damaged_above = spike_limits(self.recent, DAMAGE_FACTOR * tc.spike_threshold)[0]
             if loss > damaged_above:  # the data is not to blame: nothing is skipped
                 self.back_to = (step - 1, f"step {step + 1}, the first after loading the checkpoint of step {step}, "
-                                f"has loss {loss:.4g}, beyond the {damaged_above:.4g} its recorded losses allow: that "
-                                f"checkpoint looks damaged", "damaged_checkpoint", None)
+                                f"has loss {loss:.4g} > {damaged_above:.4g}: that checkpoint looks damaged",
+                                "damaged_checkpoint", None)
                 return False
             limits = limits if full else (damaged_above, math.inf)
         if math.isfinite(loss) and math.isfinite(grad_norm) and loss <= limits[0] and grad_norm <= limits[1]:
@@ -401,7 +385,7 @@ class BadSteps:
         self.spikes = [s for s in self.spikes if s[0] > step - tc.spike_window] + [[step, data_step]]
         what = "non-finite" if not math.isfinite(loss + grad_norm) else "spike"
         self.events.event("spike", step + 1, f"step {step + 1}: {what} (loss {loss:.4g}, limit {limits[0]:.4g}; "
-                          f"gradient norm {grad_norm:.4g}, limit {limits[1]:.4g}); skipped with its batch (data step "
+                          f"grad norm {grad_norm:.4g}, limit {limits[1]:.4g}); skipped with its batch (data step "
                           f"{data_step}), {len(self.spikes)} within {tc.spike_window} steps")
         if len(self.spikes) >= tc.spike_rollback:
             first_step, first_data = self.spikes[0]
@@ -418,7 +402,7 @@ class BadSteps:
         return False
 
     def rolled_back(self, loaded_step: int, kept: dict, path: str):
-        """After back_to's checkpoint was loaded: the skipped data and counts carried over it, and said."""
+        """After back_to's checkpoint was loaded: carry the skipped data and counts over it."""
         _, why, name, skipped = self.back_to
         self.back_to = None
         if skipped is None:  # a damaged checkpoint
@@ -430,11 +414,10 @@ class BadSteps:
                                              f"skipped")
 
 
-# --- checkpoints written in the background, on a clock, at the end and on preemption; a failure is said
+# --- checkpoints written in the background, on a clock, at the end and on preemption
 
 class Checkpoints:
-    """The checkpoint of this launch being written, if any: one at a time, completed once every rank has written.
-    A failed write (a full disk) is said and training goes on, except at the end; a second Ctrl-C abandons it."""
+    """One checkpoint written at a time, complete once every rank has written it; a failed one is said."""
 
     def __init__(self, tc, events: Events, master: bool, device: torch.device):
         self.tc = tc
@@ -443,7 +426,7 @@ class Checkpoints:
         self.device = device
         self.root = os.path.join(tc.out_dir, "checkpoints")
         self.pending = None
-        self.in_flight = False  # from the start of a save until it is complete or failed: abandon() removes it
+        self.in_flight = False  # from a save's start until it is complete or failed
         self.started = time.time()
         self.step = 0
         self.final = False
@@ -451,8 +434,8 @@ class Checkpoints:
         self.disk_low = False
 
     def due(self, step: int, applied: bool, requested: bool) -> tuple[bool, bool, bool]:
-        """(write one now, the last one in flight is written on every rank, preempted), agreed by every rank in one
-        all-reduce: a preemption signal may reach some ranks only, and the checkpoint clock is rank 0's."""
+        """(save now, the last save is written, preempted), agreed in one all-reduce: a signal may reach some ranks
+        only, and the clock is rank 0's."""
         tc = self.tc
         writing = self.pending is not None and not self.pending.done()
         clock = self.master and tc.ckpt_minutes > 0 and time.time() - self.started >= 60 * tc.ckpt_minutes
@@ -473,7 +456,7 @@ class Checkpoints:
             self.failed(e)
 
     def wait(self):
-        """Complete the checkpoint in flight, if any (every rank calls it at the same step)."""
+        """Complete the checkpoint in flight, if any (on every rank at the same step)."""
         if self.pending is None:
             return
         try:
@@ -481,7 +464,7 @@ class Checkpoints:
         except checkpoint.SaveFailed as e:
             self.pending = None
             return self.failed(e)
-        self.pending = None  # not on a second Ctrl-C (KeyboardInterrupt) in the wait: abandon() removes its files
+        self.pending = None  # not on a second Ctrl-C in the wait: abandon() removes its files
         self.in_flight = False
         say(f"checkpoint step_{self.step:08d} complete, {time.time() - self.started:.1f}s after it began")
         self.events.update(last_checkpoint=checkpoint.latest(self.root))
@@ -489,18 +472,17 @@ class Checkpoints:
         free = shutil.disk_usage(self.tc.out_dir).free
         if free < 2 * size and not self.disk_low:
             self.events.event("disk_nearly_full", self.step, f"{self.tc.out_dir} has {free / 2**30:.2f} GiB free, "
-                              f"room for fewer than two more checkpoints of {size / 2**30:.2f} GiB; free some space or "
-                              f"lower --keep_ckpts")
+                              f"under two checkpoints of {size / 2**30:.2f} GiB; free space or lower --keep_ckpts")
         self.disk_low = free < 2 * size
 
     def failed(self, e: checkpoint.SaveFailed):
         self.in_flight = False
-        if self.final:  # nothing follows to go on with: raised once the run is wound up
+        if self.final:  # nothing follows to go on with
             self.lost = e
         self.events.event("checkpoint_failed", self.step, str(e) if self.final else f"{e} Training goes on.")
 
     def abandon(self) -> str:
-        """A second Ctrl-C: give up the checkpoint being written, removing its files; what to say."""
+        """A second Ctrl-C: remove the checkpoint being written; what to say."""
         newest = checkpoint.latest(self.root) or "none"
         if not self.in_flight:
             return f"interrupted again: stopped at once; the newest checkpoint is {newest}"
@@ -512,8 +494,8 @@ class Checkpoints:
 # --- preemption signals, and a watchdog for hangs
 
 class Watchdog:
-    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0;
-    a second Ctrl-C stops at once. No step for --step_timeout seconds: a hang report, then exit 3 for torchrun."""
+    """SIGTERM, SIGUSR1 (Slurm, Kubernetes, spot reclaim) and SIGINT set `requested`: the loop checkpoints and exits 0.
+    No step for --step_timeout seconds: a hang report, then exit 3."""
 
     def __init__(self, timeout_s: float, hang_dir: str, events: Events):
         self.requested = self.interrupted = False
@@ -554,7 +536,7 @@ class Watchdog:
                 stop("", 3)
 
     def close(self):
-        """Stop the watchdog and give the signals back: train.main may run inside another program."""
+        """Give the signals back: train.main may run inside another program."""
         self.stopped.set()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
@@ -564,8 +546,8 @@ class Watchdog:
 # (torch's own analyser, torchfrtrace, reads NCCL's dumps but fails on gloo's in torch 2.13: this works on both)
 
 def collectives() -> dict:
-    """This rank's process groups as torch's Flight Recorder saw them: {"groups": {name: {ranks, entered, completed}},
-    "last": [...]}; entered > completed: it waits in collective `entered`; {} in one process; {"error": why}."""
+    """This rank's process groups and last collectives as the Flight Recorder saw them (entered > completed: it waits
+    in collective `entered`)."""
     if not dist.is_initialized():
         return {}
     backend = dist.get_backend()
@@ -588,8 +570,7 @@ def collectives() -> dict:
 
 
 def hang_verdict(records: dict[int, dict], world: int) -> str:
-    """Rank 0's sentence from the ranks' records ({rank: collectives() and host}): in each process group where a rank
-    waits, the ranks that never entered that collective; then the ranks that sent no record."""
+    """In each process group where a rank waits, the ranks that never entered that collective; the silent ranks."""
     def named(ranks) -> str:
         return ", ".join(f"rank {r}" + (f" ({records[r]['host']})" if r in records else "") for r in ranks)
 
@@ -618,9 +599,8 @@ def hang_verdict(records: dict[int, dict], world: int) -> str:
 
 
 def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
-    """Write HANG_DIR/rank_NNNNN.txt (last collectives, stacks); swap records through the job's store, which answers
-    while collectives hang. Rank 0 returns hang_verdict's sentence; the others wait for hang/said lest their exit
-    end it."""
+    """Write HANG_DIR/rank_NNNNN.txt; swap records through the job's store, which answers while collectives hang.
+    Rank 0 returns hang_verdict's sentence."""
     rank, world = parallel.rank_world()
     record = {"host": socket.gethostname(), **collectives()}
     os.makedirs(hang_dir, exist_ok=True)
@@ -651,64 +631,9 @@ def report_hang(hang_dir: str, step: int, timeout_s: float) -> str | None:
     return f"{hang_verdict(records, world)}; each rank's stack and last collectives are in {hang_dir}/"
 
 
-# --- stragglers: each rank's own time per step, gathered at every log
+# --- drills: faults injected on purpose, each rehearsed on one machine
 
-STEP_PARTS = ("data", "compute", "wait")
-STRAGGLER_THRESHOLD = 0.2  # a rank whose own time per step is this much above the others' median is named
-
-
-class StepTimes:
-    """This rank's seconds per step in STEP_PARTS, summed between logs: data (reading its batch), compute (the rest of
-    its own step, FSDP's gathers included) and wait (in the step's closing all-reduce, for the slowest rank)."""
-
-    def __init__(self, rank: int, world: int, device: torch.device):
-        self.rank = rank
-        self.device = device
-        self.sums_P = torch.zeros(len(STEP_PARTS), dtype=torch.float64)
-        self.steps = 0
-        self.hosts = parallel.gathered(socket.gethostname())  # to name a straggler where a person can find it
-
-    def add(self, *seconds: float):
-        self.sums_P += torch.tensor(seconds, dtype=torch.float64)
-        self.steps += 1
-
-    def gather(self, threshold: float) -> tuple[dict, str | None]:
-        """slowest() of every rank's mean seconds per step since the last call, gathered in one all-reduce."""
-        times_RP = torch.zeros(len(self.hosts), len(STEP_PARTS), dtype=torch.float64, device=self.device)
-        times_RP[self.rank] = self.sums_P / max(self.steps, 1)
-        parallel.all_reduce_sum_(times_RP)
-        self.sums_P.zero_()
-        self.steps = 0
-        return slowest(times_RP.tolist(), self.hosts, threshold)
-
-
-def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> tuple[dict, str | None]:
-    """The record's per-rank seconds per step (data_s_ranks, ...), the slowest rank and how much longer its own time
-    (data + compute) is than the other ranks' median; past `threshold`, also the sentence naming it and its host."""
-    record = {f"{part}_s_ranks": [round(t[p], 4) for t in times_RP] for p, part in enumerate(STEP_PARTS)}
-    if len(times_RP) < 2:
-        return record, None
-    own_R = [data + compute for data, compute, _ in times_RP]
-    rank = max(range(len(own_R)), key=own_R.__getitem__)
-    others = [t for r, t in enumerate(times_RP) if r != rank]
-    median = statistics.median(data + compute for data, compute, _ in others)
-    slower = own_R[rank] / median - 1 if median > 0 else 0.0
-    record.update(slowest_rank=rank, slowest_vs_median=round(slower, 4))
-    if not threshold or slower <= threshold:
-        return record, None
-    data_s, compute_s, _ = times_RP[rank]
-    wait = statistics.median(t[2] for t in others)
-    return record, (f"straggler: rank {rank} on {hosts[rank]} takes {own_R[rank]:.3f}s per step of its own (data "
-                    f"{data_s:.3f}s, compute {compute_s:.3f}s), {100 * slower:.0f}% above the other ranks' median of "
-                    f"{median:.3f}s; they wait {wait:.3f}s per step for it")
-
-
-# --- drills: faults injected on purpose, each rehearsed on one machine (--drill)
-
-DRILLS = {"spike": "these data steps' losses (so gradients) x 100", "nan": "these data steps' losses NaN",
-          "crash": "the last rank dies after this step", "stall": "the last rank hangs in this step",
-          "straggle": "this rank sleeps as long as its own work took, every step",
-          "skew": "a fresh run starts with this bias on the first 2*top_k experts (a collapsed router)"}
+DRILLS = ("spike", "nan", "crash", "stall", "straggle", "skew")
 
 
 def parse_drills(text: str) -> dict[str, list[float]]:
@@ -727,21 +652,20 @@ def parse_drills(text: str) -> dict[str, list[float]]:
 
 
 class Drills:
-    """The faults --drill injects. Only a first launch dies or hangs, so that the restarted job finishes."""
+    """The faults --drill injects. Only a first launch dies or hangs: the restarted job finishes."""
 
-    def __init__(self, text: str, rank: int, world: int):
+    def __init__(self, text: str, rank: int, world: int, model):
         self.at = parse_drills(text)
         self.rank = rank
         self.doomed = restarts() == 0 and rank == world - 1  # the rank the crash and stall drills stop
         self.hook = None
-
-    def skew_router(self, model):
         for moe in model.moe_layers() if "skew" in self.at else ():  # a resume loads the saved bias over it
             moe.expert_bias[: 2 * model.cfg.top_k] += self.at["skew"][0]
 
     def before_step(self, step: int, data_step: int, model, timeout_s: float):
-        """stall hangs the last rank (the others wait in the step's first collective); spike and nan scale the loss
-        this step's forward returns, which scales its gradients alike."""
+        """spike and nan scale the loss the forward returns, so its gradients alike."""
+        if step in self.at.get("crash", ()) and self.doomed:
+            stop(f"crash drill: rank {self.rank} exits abruptly after step {step}")
         if step in self.at.get("stall", ()) and self.doomed:
             time.sleep(10 * timeout_s + 60)
         factor = math.nan if data_step in self.at.get("nan", ()) else 100.0 if data_step in self.at.get("spike", ()) \
@@ -750,39 +674,65 @@ class Drills:
             self.hook = model.register_forward_hook(lambda module, args, out: (out[0] * factor, *out[1:]))
 
     def straggle(self, own_seconds: float):
-        """At the end of the step's compute: the spike hook removed; a straggling rank sleeps its own time again."""
+        """At the end of the step's compute: a straggling rank sleeps its own time again."""
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
         if self.rank in self.at.get("straggle", ()):
             time.sleep(own_seconds)
 
-    def after_step(self, step: int):
-        if step + 1 in self.at.get("crash", ()) and self.doomed:
-            stop(f"crash drill: rank {self.rank} exits abruptly after step {step + 1}")
 
+# --- the console line, speed, stragglers and the run's summary
 
-# --- the console line, speed and the run's summary
-
+STEP_PARTS = ("data", "compute", "wait")
+STRAGGLER_THRESHOLD = 0.2  # a rank whose own time per step is this much above the others' median is named
 REPEATED_EPOCHS = 4  # past ~4 epochs of one source, repeats teach little (Muennighoff et al.): warned about
 
 
+def slowest(times_RP: list[list[float]], hosts: list[str], threshold: float) -> tuple[dict, str | None]:
+    """The record's per-rank seconds per step and how much the slowest rank's own time (data + compute) exceeds the
+    others' median; past `threshold`, the sentence naming it."""
+    record = {f"{part}_s_ranks": [round(t[p], 4) for t in times_RP] for p, part in enumerate(STEP_PARTS)}
+    if len(times_RP) < 2:
+        return record, None
+    own_R = [data + compute for data, compute, _ in times_RP]
+    rank = max(range(len(own_R)), key=own_R.__getitem__)
+    others = [t for r, t in enumerate(times_RP) if r != rank]
+    median = statistics.median(data + compute for data, compute, _ in others)
+    slower = own_R[rank] / median - 1 if median > 0 else 0.0
+    record.update(slowest_rank=rank, slowest_vs_median=round(slower, 4))
+    if not threshold or slower <= threshold:
+        return record, None
+    data_s, compute_s, _ = times_RP[rank]
+    wait = statistics.median(t[2] for t in others)
+    return record, (f"straggler: rank {rank} on {hosts[rank]} takes {own_R[rank]:.3f}s per step of its own (data "
+                    f"{data_s:.3f}s, compute {compute_s:.3f}s), {100 * slower:.0f}% above the other ranks' median of "
+                    f"{median:.3f}s; they wait {wait:.3f}s per step for it")
+
+
 class Meter:
-    """Speed since the last log line, the console line itself, and the run's summary at the end."""
+    """Speed and each rank's time per step since the last log line; the run's summary."""
 
     def __init__(self, run, step: int):
-        twin = meta_model(run.cfg)  # counted unsharded, on the meta device
         self.run = run
-        self.flops_per_token = twin.flops_per_token(run.tc.seq_len)
+        self.flops_per_token = meta_model(run.cfg).flops_per_token(run.tc.seq_len)  # unsharded, on the meta device
         self.peak = parallel.peak_tflops(run.device)
         self.tokens_per_step = run.tc.global_batch * run.tc.seq_len
         self.start_step = self.logged_step = step
         self.t_start = self.t_last = time.time()
         self.first_loss = self.last = None
         self.repeated = set()  # sources said to be read more than REPEATED_EPOCHS times
+        self.seconds_P = torch.zeros(len(STEP_PARTS), dtype=torch.float64)  # summed since the last log
+        self.timed = 0
+        self.hosts = parallel.gathered(socket.gethostname())  # a straggler is named with its host
+
+    def add(self, *seconds: float):
+        """This rank's seconds reading its batch, computing, and waiting for the slowest rank."""
+        self.seconds_P += torch.tensor(seconds, dtype=torch.float64)
+        self.timed += 1
 
     def log(self, step: int, lr: float, out: dict, model, alive) -> dict:
-        """The console line of this step; the record's speed, memory, balance and per-rank time fields."""
+        """Say the console line; return the record's speed, memory, balance and per-rank time fields."""
         tc = self.run.tc
         dt = (time.time() - self.t_last) / (step + 1 - self.logged_step)  # the step synchronised the device
         self.t_last = time.time()
@@ -793,8 +743,14 @@ class Meter:
         mem = torch.cuda.max_memory_allocated(self.run.device) / 2**30 if self.run.device.type == "cuda" else None
         counts_LE = out["counts_LE"]
         per_layer = [max_vio(c) for c in counts_LE]
+        times_RP = torch.zeros(len(self.hosts), len(STEP_PARTS), dtype=torch.float64, device=self.run.device)
+        times_RP[self.run.rank] = self.seconds_P / max(self.timed, 1)
+        parallel.all_reduce_sum_(times_RP)
+        self.seconds_P.zero_()
+        self.timed = 0
         # A launch's first step (compilation, cold caches) is recorded but not judged.
-        times, straggler = alive.times.gather(STRAGGLER_THRESHOLD if step > self.start_step else 0.0)
+        threshold = STRAGGLER_THRESHOLD if step > self.start_step else 0.0
+        times, straggler = slowest(times_RP.tolist(), self.hosts, threshold)
         eta = (time.time() - self.t_start) / (step + 1 - self.start_step) * (tc.steps - step - 1)
         say(f"step {step + 1:5d}/{tc.steps} | loss {out['loss']:.4f} | lr {lr:.2e} | grad {out['grad_norm']:.3f} | "
             f"{tok_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
@@ -810,15 +766,15 @@ class Meter:
                 "dead_experts_layers": (counts_LE == 0).sum(-1).tolist(),
                 "bias_norm_layers": [round(m.expert_bias.norm().item(), 6) for m in model.moe_layers()], **times}
 
-    def summary(self, state, resolved: dict, alive) -> dict:
-        """What the launch did, said once (the "finished" event when the run is complete); its losses."""
+    def summary(self, state, alive) -> dict:
+        """Say what the launch did (the "finished" event when the run is complete); return its losses."""
         tc = self.run.tc
         last = self.last or {}
         if last:
-            summary = (f"done: {state.step - self.start_step} steps, {state.step * self.tokens_per_step:,} tokens seen "
-                       f"in all, {time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {last['loss']:.3f}, "
-                       f"val loss {round(last['val_loss'], 3) if 'val_loss' in last else None}; outputs in "
-                       f"{tc.out_dir}/")
+            val = round(last["val_loss"], 3) if "val_loss" in last else None
+            summary = (f"done: {state.step - self.start_step} steps, {state.step * self.tokens_per_step:,} tokens in "
+                       f"all, {time.time() - self.t_start:.0f}s; loss {self.first_loss:.3f} -> {last['loss']:.3f}, "
+                       f"val loss {val}; outputs in {tc.out_dir}/")
             alive.events.event("finished", state.step, summary) if state.step == tc.steps else say(summary)
         if alive.checkpoints.lost:
             raise alive.checkpoints.lost
@@ -826,7 +782,7 @@ class Meter:
                 "step": state.step}
 
     def by_source(self, loader: data.DataLoader, data_step: int, loss_S: list[float]) -> dict:
-        """The record's tokens, mean loss and epochs read by source; a source past REPEATED_EPOCHS is said once."""
+        """The record's tokens, mean loss and epochs by source."""
         paths = loader.mixture.paths
         counts_S = loader.counts(data_step)
         epochs_S = loader.epochs(data_step)

@@ -194,7 +194,7 @@ def test_context_extension_resumes_with_longer_sequences_on_cp_ranks(reference, 
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("lease.json", "step_00000020", "log.*"))
     longer = args(corpus_dir, out, "--steps=20", "--seq_len=128", "--global_batch=1", "--micro_batch=1")
     with pytest.raises(ValueError, match=r"--seq_len=128 differs from checkpoint .*step_00000010's 32, which fixes "
-                                         r"the data order; resume with --seq_len=32, pass --allow_changed=seq_len"):
+                                         r"the data order; resume with --seq_len=32 or pass --allow_changed=seq_len"):
         train.main(*train.parse_args(longer))
     code, stdout, err = run([*longer, "--cp=2", "--allow_changed=seq_len"], tmp_path / "log", nproc=2)
     assert code == 0, err[-4000:]
