@@ -128,7 +128,7 @@ def kind_of(f) -> type:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose unknown flags are refused naming the closest; add_settings makes a dataclass's fields flags."""
+    """argparse naming the closest flag to an unknown one; add_settings makes a dataclass's fields flags."""
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):
@@ -147,7 +147,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def config_file(path: str) -> dict:
-    """What a TOML (.toml) or JSON config file holds; ValueError if it cannot be read as one."""
     toml = path.lower().endswith(".toml")
     try:
         with open(path, "rb") as f:
@@ -376,7 +375,6 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
 
 @cache
 def compiled(function: Callable, **options) -> Callable:
-    """torch.compile(function, **options), compiled once, on first use."""
     return torch.compile(function, **options)
 
 
@@ -940,7 +938,6 @@ def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, t
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
-    """A model without storage, for counting and planning."""
     with torch.device("meta"):
         return Transformer(cfg)
 

@@ -600,8 +600,7 @@ def check_precision(precision: str, cfg: ModelConfig, device: torch.device):
 
 def set_precision(model: Transformer, precision: str, device: torch.device):
     """Run the converted modules' matmuls in `precision` from the next forward on ("bf16": as built). Only their
-    forward changes (an instance attribute): weights, names, FSDP and optimizer state stay, so a rollback can return
-    a run to bf16 in place."""
+    forward changes (weights, FSDP and optimizer state stay), so a rollback can return a run to bf16 in place."""
     if getattr(model, "precision", None) == precision:  # unchanged: a compiled block keeps its graphs
         return
     for _, module in low_precision_modules(model, "mxfp8"):
@@ -632,8 +631,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
                 ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
                 seed: int = 0, state_copies: int = 1, precision: str = "bf16") -> Transformer:
     """Build on meta, then EP, low precision, AC, compile and FSDP (torchtitan's order; mesh None: one process);
-    allocate this rank's shards (refused on CPU if `state_copies` of them cannot fit) and initialise them from
-    `seed`: the same weights whatever the layout."""
+    allocate this rank's shards (on CPU, if `state_copies` fit) and draw the weights one process draws from `seed`."""
     check_precision(precision, model_cfg, device)
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
