@@ -268,7 +268,7 @@ class Layout:
         W, R, ep, cp = self.world, self.dp_replicate, self.ep, self.cp  # each >= 1 (TrainConfig's rules)
         launched = rank_world()[1]
         if dist.is_available() and dist.is_initialized() and launched != W:
-            raise ValueError(f"Layout(world={W}) does not match the {launched} launched processes.")
+            raise ValueError(f"Layout(world={W}) does not match {launched} launched processes; pass world={launched}.")
         if W % R:
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose from {divisors(W)}.")
         if W % (R * cp):
@@ -585,7 +585,7 @@ def check_precision(precision: str, cfg: ModelConfig, device: torch.device):
     need = {"fp8": ((8, 9), "8.9 (Ada, Hopper: H100, H200)"), "mxfp8": ((10, 0), "10.0 (Blackwell: B200, B300)")}
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < need[precision][0]:
         has = torch.cuda.get_device_capability(device)
-        raise ValueError(f"--precision={precision} needs compute capability {need[precision][1]}, not "
+        raise ValueError(f"--precision={precision} needs compute capability {need[precision][1]} or more, not "
                          f"{has[0]}.{has[1]}; use --precision=bf16" + (" or fp8." if has >= need["fp8"][0] else "."))
     align = ALIGN[precision]
     dims = {"dim": cfg.dim, "n_heads x head_dim": cfg.n_heads * cfg.head_dim, "n_kv_heads x head_dim":
