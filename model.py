@@ -351,8 +351,7 @@ def _warn_once(message: str):
     warnings.warn(message, stacklevel=3)
 
 
-def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
-              flex: bool | None = None):
+def make_mask(T: int, window: int | None, doc_ids_BT, device: torch.device, flex: bool | None = None):
     """Causal, within `window` and one document if given: a flex BlockMask when `flex` (default: on CUDA; it has no
     CPU backward), else a boolean [B or 1, 1, T, T] mask (True = attend), or None for plain causal."""
     def mask_mod(b, h, q, kv):
@@ -819,8 +818,7 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
-    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None,
-                return_stats: bool = False):
+    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list | None = None, return_stats=False):
         """Logits [B, T, V], or with targets the mean cross-entropy (head_loss). doc_ids_BT keeps attention within
         documents. return_stats adds ForwardStats. With a cache (new_cache) tokens_BT continue the cached ones, and
         only the last position's logits [B, 1, V] are made."""

@@ -627,9 +627,8 @@ def _draw_whole_keep_shard(tensor: torch.Tensor, init):
     tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
 
 
-def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
-                ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
-                seed: int = 0, state_copies: int = 1, precision: str = "bf16") -> Transformer:
+def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device, ac="none",
+                compile=False, param_dtype=None, seed=0, state_copies=1, precision="bf16") -> Transformer:
     """Build on meta, then EP, low precision, AC, compile and FSDP (torchtitan's order; mesh None: one process);
     allocate this rank's shards (on CPU, if `state_copies` fit) and draw the weights one process draws from `seed`."""
     check_precision(precision, model_cfg, device)
