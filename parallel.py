@@ -495,7 +495,7 @@ def apply_ac(model: Transformer, mode: str):
     if mode == "selective":
         context_fn = functools.partial(ckpt.create_selective_checkpoint_contexts, _sac_policy)
         # SAC replays the region's ops by count, but the experts' FSDP hooks inside the block call profiler
-        # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
+        # annotations a different number of times in forward and in recompute (torch 2.13).
         ckpt.SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
     for block in model.layers.values():
@@ -511,7 +511,7 @@ def apply_compile(model: Transformer, backend: str = "inductor"):
         block.compile(backend=backend)
 
 
-# --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place (a rollback's bf16)
+# --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Each converted matmul's reduction dims (widths; tokens for the weight gradient) must be a multiple of this: fp8's
@@ -654,7 +654,7 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     return model
 
 
-# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
+# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
