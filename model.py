@@ -33,13 +33,13 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class Rule:
-    """ok(value, settings) and the words saying so, which may name fields ("a multiple of n_kv_heads={n_kv_heads}")."""
+    """ok(value, settings), said in words that may name fields ("a multiple of n_kv_heads={n_kv_heads}")."""
     ok: Callable
     words: str
     choices: tuple = ()
 
     def parse(self, kind: type) -> Callable:
-        """An argparse type for a flag outside a dataclass: kind(text), refused in the rule's words."""
+        """An argparse type for a flag outside a dataclass, refusing in the rule's words."""
         def parse(text: str):
             value = kind(text)
             if not self.ok(value, None):
@@ -50,29 +50,26 @@ class Rule:
 
 
 def at_least(low: float, words: str = "") -> Rule:
-    """value >= low, said as `words` when the bound has a meaning of its own ("-1 (never) or a step number")."""
     return Rule(lambda v, _: v >= low, words or f"at least {low:g}")
 
 
 def above(low: float) -> Rule:
-    """value > low: a bound that must not be reached (a positive size or rate)."""
     return Rule(lambda v, _: v > low, f"above {low:g}")
 
 
 def one_of(*choices) -> Rule:
-    """value in choices, which --help lists after the flag's own words."""
     return Rule(lambda v, _: v in choices, "one of " + ", ".join(map(str, choices)), choices)
 
 
 def option(default, help: str, rule: Rule | None = None, parse: Callable | None = None):
-    """A settings field: default, help (plus one_of's choices), rule and, if text is more than its type, its parser."""
+    """A settings field: default, help (plus one_of's choices), rule, and a parser if its type is not enough."""
     if rule is not None and rule.choices:
         help = f"{help}: {' | '.join(map(str, rule.choices))}"
     return field(default=default, metadata={"help": help, "rule": rule, "parse": parse})
 
 
 def check(settings) -> None:
-    """Raise ValueError, one sentence, naming every field of the dataclass `settings` whose value breaks its rule."""
+    """Raise ValueError, one sentence, naming every field of `settings` that breaks its rule."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings)}
     rules = {f.name: f.metadata["rule"] for f in fields(settings) if f.metadata.get("rule")}
     problems = [f"--{name}={values[name]!s} must be {rule.words.format(**values)}" for name, rule in rules.items()
@@ -94,8 +91,7 @@ OTHER_NAMES = {other: ours for ours, others in {
 
 
 def suggest(word: str, names) -> str | None:
-    """The name in `names` a mistyped `word` most likely means: ours for another trainer's name, else the closest
-    in spelling, else None (leading dashes ignored)."""
+    """The name in `names` a mistyped `word` likely means: ours for another trainer's, else the closest, or None."""
     bare = {name.lstrip("-"): name for name in names}
     key = word.lstrip("-").replace("-", "_")
     if OTHER_NAMES.get(key) in bare:
@@ -104,43 +100,37 @@ def suggest(word: str, names) -> str | None:
     return bare[close[0]] if close else None
 
 
-def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known: argparse.ArgumentParser | None = None,
-                   also: list[str] = ()):
-    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has,
-    naming the closest flags."""
+def refuse_unknown(parser: argparse.ArgumentParser, words: list[str], known=None, also: list[str] = ()):
+    """Exit as parser.error does if any of `words` is a flag neither `known` (default: parser) nor `also` has."""
     known = known or parser
     flags = [flag for action in known._actions for flag in action.option_strings] + list(also)
     unknown = [word.split("=")[0] for word in words if word.startswith("-") and word.split("=")[0] not in flags]
     if unknown:
         close = [flag for flag in (suggest(name, flags) for name in unknown) if flag]
-        parser.exit(2, f"{parser.prog}: error: unknown flag{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                       + (f"did you mean {', '.join(close)}?" if close else f"{known.prog} --help lists the flags.")
-                       + "\n")
+        hint = f"did you mean {', '.join(close)}?" if close else f"{known.prog} --help lists the flags."
+        parser.exit(2, f"{parser.prog}: error: unknown flag{'s' * (len(unknown) > 1)} {', '.join(unknown)}; {hint}\n")
 
 
 def listed(text: str) -> list[str]:
-    """The items of a comma-separated flag value, blanks dropped."""
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def parse_bool(text: str) -> bool:
-    """A flag's true or false in the words people type (1/0, yes/no, on/off too); argparse's bool() takes any text."""
+    """true/false, 1/0, yes/no or on/off: argparse's bool() takes any text as True."""
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("1", "true", "yes", "on")
 
 
 def kind_of(f) -> type:
-    """The type of a settings field's value: bool, int, float or str (an optional bool, None until resolved, is a
-    bool: --compile's default depends on the device)."""
+    """bool, int, float or str (an optional bool is a bool: --compile's default depends on the device)."""
     return bool if f.type in (bool, bool | None, "bool") else type(f.default)
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose unknown flags are refused naming the closest; add_settings makes a dataclass's fields flags."""
+    """argparse naming the closest flag to an unknown one; add_settings makes a dataclass's fields flags."""
 
     def error(self, message):
-        """argparse's error, but an unknown flag names the flags it most likely meant (refuse_unknown)."""
         if message.startswith("unrecognized arguments: "):
             refuse_unknown(self, message.removeprefix("unrecognized arguments: ").split())
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -157,7 +147,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def config_file(path: str) -> dict:
-    """What a TOML (.toml) or JSON config file holds; ValueError, one sentence, if it cannot be read as one."""
     toml = path.lower().endswith(".toml")
     try:
         with open(path, "rb") as f:
@@ -177,8 +166,8 @@ TYPE_NAMES = {bool: "bool (true or false)", int: "int", float: "number", str: "s
 
 
 def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
-    """{"table.field": value} of config file `path`, whose tables (e.g. [train], [model]) hold fields of `tables`'
-    dataclasses, typed as their flags are; top-level `facts` are skipped. ValueError, one sentence."""
+    """{"table.field": value} of config file `path`, whose tables ([train], [model]) hold fields of `tables`'
+    dataclasses, typed as their flags are; top-level `facts` are skipped."""
     raw = config_file(path)
     known = {f"{table}.{f.name}": f for table, cls in tables.items() for f in fields(cls)}
     entries = {f"{key}.{k}": v for key, table in raw.items() if key in tables and isinstance(table, dict)
@@ -189,8 +178,8 @@ def read_settings(path: str, tables: dict, facts: tuple = ()) -> dict:
         if key not in known:  # named by its field alone: "learning_rate" and "train.n_layers" find their keys
             by_field = {k.split(".")[1]: k for k in known}
             close = by_field.get(suggest(key.split(".")[-1], by_field))
-            raise ValueError(f"--config={path} has an unknown key {key}; " + (f"did you mean {close}?" if close else
-                             f"keys are {' or '.join(f'{t}.FIELD' for t in tables)}."))
+            hint = f"did you mean {close}?" if close else f"keys are {' or '.join(f'{t}.FIELD' for t in tables)}."
+            raise ValueError(f"--config={path} has an unknown key {key}; {hint}")
         kind = kind_of(known[key])
         parse = known[key].metadata.get("parse")
         if parse and isinstance(value, str):  # a word the flag takes too (dp_replicate = "auto")
@@ -211,24 +200,24 @@ class ModelConfig:
     vocab_size: int = option(100352, "embedding/head rows: the tokenizer's ids padded to a multiple of 128", POSITIVE)
     dim: int = option(128, "model width D", POSITIVE)
     n_layers: int = option(4, "transformer blocks", POSITIVE)
-    n_dense_layers: int = option(1, "the first blocks use a dense SwiGLU FFN instead of the MoE block",
+    n_dense_layers: int = option(1, "leading blocks with a dense SwiGLU FFN, not MoE",
                                  Rule(lambda v, c: 0 <= v <= c.n_layers, "between 0 and n_layers={n_layers}"))
-    dense_hidden: int = option(384, "the dense FFN's hidden width", Rule(lambda v, c: v >= 1 or not c.n_dense_layers,
-                                                                         "at least 1 when there are dense layers"))
+    dense_hidden: int = option(384, "the dense FFN's hidden width",
+                               Rule(lambda v, c: v >= 1 or not c.n_dense_layers, "at least 1 with dense layers"))
     n_heads: int = option(4, "query heads H", Rule(lambda v, c: v >= 1 and (c.n_kv_heads < 1 or v % c.n_kv_heads == 0),
                                                     "at least 1 and a multiple of n_kv_heads={n_kv_heads}"))
     n_kv_heads: int = option(2, "key/value heads G (grouped-query attention)", POSITIVE)
     head_dim: int = option(32, "Dh, per head", Rule(lambda v, _: v >= 2 and v % 2 == 0, "even, for rotary embeddings"))
-    window: int = option(64, "sliding window of local layers: query t sees keys t-window+1 .. t", POSITIVE)
+    window: int = option(64, "local layers' window: query t sees keys t-window+1 .. t", POSITIVE)
     global_every: int = option(4, "layer i is global when (i+1) % global_every == 0", POSITIVE)
-    max_seq_len: int = option(256, "the longest sequence the model is trained for (exported as such)", POSITIVE)
+    max_seq_len: int = option(256, "the longest sequence the model is trained for", POSITIVE)
     n_experts: int = option(256, "routed experts E", POSITIVE)
     n_shared_experts: int = option(1, "shared experts, which see every token", NON_NEGATIVE)
     top_k: int = option(4, "routed experts per token K", Rule(lambda v, c: 1 <= v <= c.n_experts,
                                                                "between 1 and n_experts={n_experts}"))
-    route_scale: float = option(2.448, "scale of the gates, which are normalised over the chosen k", above(0))
-    expert_hidden: int = option(32, "I, each routed expert's FFN width (the shared expert's too)", POSITIVE)
-    init_std: float = option(0.044, "σ of the truncated-normal init (0.5 / sqrt(dim) unless a preset says)", above(0))
+    route_scale: float = option(2.448, "scale of the gates (normalised over the chosen k)", above(0))
+    expert_hidden: int = option(32, "I, each expert's FFN width (the shared expert's too)", POSITIVE)
+    init_std: float = option(0.044, "σ of the truncated-normal init", above(0))
     norm_eps: float = option(1e-5, "RMSNorm epsilon", above(0))
     rope_theta: float = option(10000.0, "RoPE base", above(0))
     mup: bool = option(True, "embedding activations x sqrt(dim)")
@@ -257,20 +246,17 @@ class ModelConfig:
     def from_hf(cls, hf: dict) -> "ModelConfig":
         rope = hf.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type={rope['rope_type']!r} is not supported; only the default RoPE is.")
+            raise ValueError(f"rope_type={rope['rope_type']!r} is not supported; use the default RoPE.")
         heads = hf["num_attention_heads"]
         defaults = {**HF_DEFAULTS, "num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads}
         cfg = cls(**{name: defaults[key] if key in defaults and hf.get(key) is None else hf[key]
                      for name, key in HF_KEYS.items()}, rope_theta=rope.get("rope_theta", 10000.0))
-        layer_types = hf.get("layer_types")
         ours = cfg.to_hf()["layer_types"]
-        if layer_types is not None and list(layer_types) != ours:
-            raise ValueError(f"layer_types {layer_types} do not follow the every-{cfg.global_every}th-layer-global "
-                             f"pattern {ours}; this model supports only that pattern.")
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported: AfMoE uses no biases.")
-        if hf.get("tie_word_embeddings"):
-            raise ValueError("tie_word_embeddings=True is not supported: AfMoE unties input and output embeddings.")
+        if hf.get("layer_types") not in (None, ours):
+            raise ValueError(f"layer_types {hf['layer_types']} are not every-{cfg.global_every}th-global: {ours}.")
+        for key in ("attention_bias", "tie_word_embeddings"):
+            if hf.get(key):
+                raise ValueError(f"{key}=True is not supported: AfMoE has no biases and untied embeddings.")
         return cfg
 
 
@@ -308,7 +294,7 @@ def pad_vocab(n_tokens: int) -> int:
 # --- Building blocks
 
 class _RMSNorm(torch.autograd.Function):
-    """weight * x / rms(x), saving x and one scalar per row: about half the passes over x of autograd's backward."""
+    """weight * x / rms(x), saving x and a scalar per row: about half the passes over x of autograd's backward."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -316,7 +302,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
         y = x32 * rstd * weight
-        # Not y.to(x.dtype) when that is y itself: torch 2.11's compiled autograd.Function then returns wrong grads.
+        # Not y.to(x.dtype) when that is y: torch 2.11's compiled autograd.Function then returns wrong grads.
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
@@ -348,7 +334,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(T: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables of positions start .. start+T-1 (rotate-half layout: both halves share the frequencies)."""
+    """The rotary tables of positions start .. start+T-1 (rotate-half layout)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     freqs_TF = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
     angles_TDh = torch.cat([freqs_TF, freqs_TF], dim=-1)
@@ -365,10 +351,9 @@ def _warn_once(message: str):
     warnings.warn(message, stacklevel=3)
 
 
-def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, device: torch.device,
-              flex: bool | None = None):
-    """Causal, within `window` and one document if given: a flex BlockMask when `flex` (default: on CUDA; flex
-    attention has no CPU backward), else a boolean [B or 1, 1, T, T] mask (True = attend), or None for plain causal."""
+def make_mask(T: int, window: int | None, doc_ids_BT, device: torch.device, flex: bool | None = None):
+    """Causal, within `window` and one document if given: a flex BlockMask when `flex` (default: on CUDA; it has no
+    CPU backward), else a boolean [B or 1, 1, T, T] mask (True = attend), or None for plain causal."""
     def mask_mod(b, h, q, kv):
         keep = q >= kv
         if window is not None:
@@ -389,7 +374,6 @@ def make_mask(T: int, window: int | None, doc_ids_BT: torch.Tensor | None, devic
 
 @cache
 def compiled(function: Callable, **options) -> Callable:
-    """torch.compile(function, **options), compiled once, on first use."""
     return torch.compile(function, **options)
 
 
@@ -403,7 +387,7 @@ def attend(q_BHTDh, k_BGTDh, v_BGTDh, mask):
 
 class Attention(nn.Module):
     """GQA, per-head q/k RMSNorm, RoPE on local layers only (global: NoPE): o = o_proj(attn * sigmoid(gate_proj(x)))."""
-    seq_parallel = None  # parallel.ContextParallel: this rank's 1/size of each sequence, whole ones inside attention
+    seq_parallel = None  # parallel.ContextParallel: whole sequences inside attention
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -432,9 +416,9 @@ class Attention(nn.Module):
 
 
 class KVCache:
-    """One layer's keys and values while generating: the whole prompt first (with the layer's mask), then one token a
-    call, attending to every cached key. A local layer keeps its last `window` keys in a ring, position p in slot
-    p % window (keys are cached after RoPE; attention ignores their order)."""
+    """One layer's keys and values while generating: the whole prompt first (with its mask), then one token a call,
+    attending to every cached key. A local layer keeps its last `window` keys in a ring, position p in slot
+    p % window (cached after RoPE; attention ignores their order)."""
 
     def __init__(self, length: int, window: int | None):
         self.size = length if window is None else min(window, length)
@@ -492,9 +476,9 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
 
 
 def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
-    """SwiGLU of each expert on its rows of x (sorted by expert, counts_E each), scaled by scale_N before the down
-    projection; gate_up_EHD [E, 2I, D] (gate rows first), down_EDI [E, D, I]. impl: "grouped" GEMM, "loop" (a matmul
-    per expert: the reference) or "auto": grouped where torch can run it, else the loop."""
+    """Each expert's SwiGLU on its rows of x (sorted by expert, counts_E each), scaled by scale_N before down_EDI
+    [E, D, I]; gate_up_EHD [E, 2I, D], gate rows first. impl: "grouped" GEMM, "loop" (a matmul per expert: the
+    reference) or "auto": grouped where torch can run it."""
     if impl == "auto":
         why_not = grouped_mm_supported(x_ND, gate_up_EHD, down_EDI)
         if why_not:
@@ -521,7 +505,7 @@ def expert_ffn(x_ND, counts_E, gate_up_EHD, down_EDI, impl: str, scale_N):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert (parallel.py's EP: expert_ffn on its share)."""
+    """E SwiGLU experts stacked in HF's layout, on rows sorted by expert."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -535,7 +519,7 @@ class GroupedExperts(nn.Module):
 
 class _SortedRows(torch.autograd.Function):
     """x_ND -> x_MD, row m holding token order_M[m] // K. The backward sums each token's K row gradients in a fixed
-    order; index_select's own backward adds them with atomics on CUDA."""
+    order, where index_select's own uses atomics on CUDA."""
 
     @staticmethod
     def forward(ctx, x_ND, order_M, inverse_M, K: int):
@@ -556,10 +540,10 @@ def count_ids(ids_M: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class ForwardStats:
-    """Besides the loss: all MoE routers' counts and losses (times their coefficients), and each sequence's loss."""
-    counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any expert-parallel exchange)
-    aux_loss: torch.Tensor   # the sequence-wise balance loss, summed over layers (part of the graph)
-    z_loss: torch.Tensor     # the router z-loss, summed over layers (part of the graph)
+    """Besides the loss: the MoE routers' counts and weighted losses, and each sequence's loss."""
+    counts_LE: torch.Tensor  # tokens routed to each expert (on this rank, before any EP exchange)
+    aux_loss: torch.Tensor   # sequence-wise balance loss, summed over layers (in the graph)
+    z_loss: torch.Tensor     # router z-loss, summed over layers (in the graph)
     loss_B: torch.Tensor | None  # each sequence's mean cross-entropy (no graph); None without targets
 
     @property
@@ -568,9 +552,9 @@ class ForwardStats:
 
 
 class MoE(nn.Module):
-    """Sigmoid token-choice routing over E experts plus a shared expert; no token dropping. forward returns (y_BTD,
-    (counts_E, aux_loss, z_loss)) as plain tensors, which compiled, checkpointed and FSDP blocks pass through;
-    activation checkpointing's re-run returns the first forward's outputs, so every token is counted once."""
+    """Sigmoid token-choice routing over E experts plus a shared expert, no token dropping. forward returns (y_BTD,
+    (counts_E, aux_loss, z_loss)) as plain tensors, which compiled, checkpointed and FSDP blocks pass through (AC's
+    re-run returns the first forward's outputs: every token is counted once)."""
     seq_parallel = None  # parallel.ContextParallel: the balance loss's sequences span its ranks
 
     def __init__(self, cfg: ModelConfig):
@@ -583,7 +567,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
 
     def route(self, x_ND):
-        """(expert ids [N, K], gates [N, K], sigmoid scores [N, E], router logits [N, E]); fp32 even under autocast."""
+        """(experts_NK, gates_NK, sigmoid scores_NE, logits_NE), fp32 even under autocast."""
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.router.weight.float())
         scores_NE = torch.sigmoid(logits_NE)
@@ -603,8 +587,8 @@ class MoE(nn.Module):
         # The M = N*K (token, choice) rows sorted by expert; the gate scales each row inside the expert.
         order_M = torch.argsort(experts_NK.flatten(), stable=True)
         scale_M = gates_NK.flatten()[order_M]
-        # Each token's K rows come back gathered into [N, K, D] and summed in a fixed order, forward and backward: no
-        # atomics, so bitwise reproducible on CUDA (on CPU as fast as adding them back with index_add).
+        # Each token's K rows are gathered into [N, K, D] and summed in a fixed order, forward and backward: no
+        # atomics, so bitwise reproducible on CUDA (and on CPU as fast as index_add).
         inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_ND.device))
         y_MD = self.experts(_SortedRows.apply(x_ND, order_M, inverse_M, self.cfg.top_k), counts_E, scale_M)
         y_ND = y_MD.to(x_ND.dtype).index_select(0, inverse_M).view(B * T, self.cfg.top_k, D).sum(1)
@@ -613,14 +597,14 @@ class MoE(nn.Module):
         return y_ND.view(B, T, D), (counts_E, aux_loss, z_loss)
 
     def balance_loss(self, experts_NK, scores_NE, B, T):
-        """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (tokens of the sequence whose top-k
-        holds i), P_i = mean over its tokens of s_i / sum_j s_j."""
+        """aux_loss_coef * mean over sequences of sum_i f_i * P_i, f_i = E/(K*T) * (its tokens with i in their top-k),
+        P_i = mean over its tokens of s_i / sum_j s_j."""
         E = self.cfg.n_experts
         K = self.cfg.top_k
         sequence_NK = torch.arange(B, device=experts_NK.device).repeat_interleave(T).unsqueeze(1)
         counts_BE = count_ids((sequence_NK * E + experts_NK).flatten(), B * E).view(B, E)
-        # With context parallelism this rank holds T of the n*T tokens of each sequence: f from the whole sequences'
-        # counts, P this rank's share of the sum; n times this loss, averaged over the n ranks, is the whole loss.
+        # With cp, this rank holds T of each sequence's n*T tokens: f from the whole sequences' counts, P this
+        # rank's share; n times this loss, averaged over the n ranks, is the whole loss.
         n = self.seq_parallel.size if self.seq_parallel else 1
         if n > 1:
             counts_BE = self.seq_parallel.sum(counts_BE)
@@ -641,7 +625,7 @@ BALANCE_RULES = ("smebu", "sign", "none")
 @torch.no_grad()
 def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", lam: float = 5e-4,
                        beta: float = 0.5, kappa: float = 2.0, gamma: float = 1e-3):
-    """Moves the selection bias toward balance in place, once per optimizer step on the global batch's counts.
+    """Move the selection bias toward balance in place, once per optimizer step, on the global batch's counts.
     "smebu" (Trinity Large): v = (mean n - n)/mean n, d = lam * tanh(kappa * v) re-centred, m = beta*m + (1-beta)*d
     (momentum_E in place), b += m. "sign" (DeepSeek-V3): b += gamma * sign(mean n - n), re-centred."""
     counts_E = counts_E.float()
@@ -657,35 +641,35 @@ def update_expert_bias(bias_E, counts_E, momentum_E=None, rule: str = "smebu", l
 
 # --- The output head fused with the loss
 
-# Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache is faster than all rows.
+# Logits are made at most this many bytes of fp32 rows at a time: on CPU a chunk in cache beats all rows.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "default": 1 << 30}
-# Rounding matmuls keep the gradient of this many chunks' logits (in their dtype) for one dh and one dW matmul: each
-# dW matmul adds a [V, D] product into the fp32 dW, a pass over 10 bytes per weight (7 GB at V=200k, D=3072).
+# Rounding matmuls keep this many chunks' logit gradients for one dh and one dW matmul: each dW matmul adds a [V, D]
+# product into the fp32 dW, a pass over 10 bytes per weight (7 GB at V=200k, D=3072).
 HEAD_GRAD_CHUNKS = 8
 
-# Exact fp32: a row's exponentials need no shift by its max when their sum lies here: none overflows, and those that
-# underflow are below 1e-18 of the sum. A chunk with a row outside is redone shifted, and so are the chunks after it.
+# Exact fp32: a row's exponentials need no shift by its max when their sum lies here (none overflows; those that
+# underflow are below 1e-18 of it). A chunk with a row outside is redone shifted, and so are the chunks after it.
 UNSHIFTED_SUM_RANGE = (1e-20, 1e30)
 
 
 def head_chunks(tokens: int, vocab_size: int, device: torch.device) -> tuple[int, int]:
     """(rows per chunk, rows per gradient group): equal chunks of at most HEAD_CHUNK_BYTES of fp32 logits (no short
-    last one that reads all of W for a few rows), HEAD_GRAD_CHUNKS of them a group, or all rows."""
+    last one reading all of W for a few rows), HEAD_GRAD_CHUNKS of them a group."""
     most = max(1, HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["default"]) // (4 * vocab_size))
     rows = max(1, -(-tokens // max(1, -(-tokens // most))))
     return rows, min(tokens, rows * HEAD_GRAD_CHUNKS)
 
 
 def fp32_matmul_is_exact(device: torch.device) -> bool:
-    """Whether fp32 matmuls on this device run in full fp32 (not TF32 or bf16 passes). Read from the backend's own
-    setting: the global getter raises once the legacy and the per-backend APIs have both been used."""
+    """Whether fp32 matmuls here run in full fp32, not TF32 or bf16 passes. The backend's own setting: the global
+    getter raises once both the legacy and the per-backend APIs have been used."""
     backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
     return getattr(backend, "fp32_precision", "none") in ("none", "ieee")  # "none": not set, full fp32
 
 
 def lse_and_grad(logits_CV, t_C1, g_CV=None):
-    """Each row's log-sum-exp [C, 1] in fp32; with g_CV, softmax - onehot(t) written into it, rounded once from fp32 (a
-    confident row's gradient is no difference of two rounded numbers). Compiled on CUDA it reads the logits twice."""
+    """Each row's log-sum-exp [C, 1] in fp32; with g_CV, softmax - onehot(t) written into it, rounded once from fp32
+    (not a difference of two rounded numbers). Compiled on CUDA it reads the logits twice."""
     x_CV = logits_CV.float()
     max_C1 = x_CV.amax(-1, keepdim=True)
     sum_C1 = x_CV.sub_(max_C1).exp_().sum(-1, keepdim=True)
@@ -696,10 +680,10 @@ def lse_and_grad(logits_CV, t_C1, g_CV=None):
 
 
 def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
-    """(each row's cross-entropy [N] of h @ weight.T against targets, 0 where the target is -100; the valid rows), a
+    """(each row's cross-entropy [N] of h @ weight.T against targets, 0 at target -100; the valid rows' count), a
     chunk of rows at a time: the [N, V] logits never exist whole. grads adds the summed loss's dh, dW. Exact fp32,
     from each chunk's exponentials E and row sums s: dh = E @ W / s - W[t], dW = E.T @ (h / s) - onehot.T @ h (no
-    [rows, V] division). Rounding matmuls: lse_and_grad's gradient, HEAD_GRAD_CHUNKS chunks per dh and dW matmul."""
+    [rows, V] division). Rounding matmuls: lse_and_grad's gradient, HEAD_GRAD_CHUNKS chunks per matmul."""
     device = h_ND.device
     N, D = h_ND.shape
     V = weight_VD.shape[0]
@@ -762,7 +746,7 @@ def head_cross_entropy(h_ND, weight_VD, targets_N, grads: bool):
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """(mean loss, each row's loss [N] without a gradient); keeps head_cross_entropy's dh, dW, scaled in backward."""
+    """(mean loss, each row's loss [N] without gradient); backward scales head_cross_entropy's dh, dW."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N):
@@ -782,7 +766,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 # --- The transformer
 
 class Block(nn.Module):
-    """Sandwich norms around both sub-blocks: x = x + post_norm(f(pre_norm(x))), post gains start at 1/sqrt(L)."""
+    """Sandwich norms: x = x + post_norm(f(pre_norm(x))), post gains starting at 1/sqrt(L)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -795,7 +779,6 @@ class Block(nn.Module):
         self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, init_gain=post_gain)
 
     def forward(self, x_BTD, cos_TDh, sin_TDh, mask, cache: KVCache | None = None):
-        """(x_BTD, the MoE's (counts_E, aux_loss, z_loss), or None in a dense block)."""
         x_BTD = x_BTD + self.attn_post_norm(self.attn(self.attn_norm(x_BTD), cos_TDh, sin_TDh, mask, cache))
         h_BTD = self.ffn_norm(x_BTD)
         y_BTD, router = self.ffn(h_BTD) if isinstance(self.ffn, MoE) else (self.ffn(h_BTD), None)
@@ -818,8 +801,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, draw=None):
-        """Truncated normal on [-3σ, 3σ] for weights, unit pre-norm and 1/sqrt(L) post-norm gains, zero expert bias;
-        shard by shard on DTensors after `to_empty`; `draw(tensor, init)` applies each in place, in a fixed order."""
+        """Truncated normal on [-3σ, 3σ] for weights, norm gains, zero expert bias, in a fixed order; on DTensors
+        after `to_empty`, `draw(tensor, init)` applies each in place."""
         draw = draw or (lambda tensor, init: init(tensor))
         std = self.cfg.init_std
         normal = lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std)  # noqa: E731
@@ -835,17 +818,16 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers.values() if isinstance(block.ffn, MoE)]
 
-    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list[KVCache] | None = None,
-                return_stats: bool = False):
-        """Logits [B, T, V], or with targets the mean cross-entropy (head_loss). doc_ids_BT (document per token) keeps
-        attention within documents. return_stats adds ForwardStats. With a cache (new_cache) tokens_BT continue the
-        cached ones, attention is SDPA, and only the last position's logits [B, 1, V] are made."""
+    def forward(self, tokens_BT, targets_BT=None, doc_ids_BT=None, cache: list | None = None, return_stats=False):
+        """Logits [B, T, V], or with targets the mean cross-entropy (head_loss). doc_ids_BT keeps attention within
+        documents. return_stats adds ForwardStats. With a cache (new_cache) tokens_BT continue the cached ones, and
+        only the last position's logits [B, 1, V] are made."""
         T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT)
         if self.cfg.mup:
             x_BTD = x_BTD * math.sqrt(self.cfg.dim)
         start, flex = (0, None) if cache is None else (cache[0].pos, False)
-        # Context parallelism: tokens_BT is chunk `rank` of each sequence's `size`; attention sees whole sequences.
+        # Context parallelism: tokens_BT is chunk `rank` of each sequence; attention sees whole sequences.
         sp = self.seq_parallel if cache is None else None
         S = T * sp.size if sp else T
         if sp:
@@ -869,12 +851,12 @@ class Transformer(nn.Module):
             return out
         zero = torch.zeros((), device=x_BTD.device)
         E = self.cfg.n_experts
-        # Seeded with no counts and zero losses, so a model without MoE layers reports [0, E] counts and zero losses.
+        # Seeded with no counts and zero losses: a model without MoE layers reports [0, E] counts.
         counts, aux, z = zip((zero.new_zeros(0, E, dtype=torch.int64), zero, zero), *routers)
         return out, ForwardStats(torch.cat([counts_E.view(-1, E) for counts_E in counts]), sum(aux), sum(z), loss_B)
 
     def head_loss(self, h_BTD, targets_BT):
-        """(The mean cross-entropy of head(h), -100 ignored; each sequence's [B], no gradient), holding no logits."""
+        """(mean cross-entropy of head(h), -100 ignored; each sequence's [B], no gradient), holding no logits."""
         h_ND = h_BTD.flatten(0, 1)
         targets_N = targets_BT.flatten()
         if torch.is_grad_enabled() and (h_ND.requires_grad or self.head.weight.requires_grad):
@@ -886,7 +868,7 @@ class Transformer(nn.Module):
         return loss, loss_N.view(targets_BT.shape).sum(1) / valid_B
 
     def num_params(self) -> dict:
-        """Total and active (one token's share of the routed experts) counts; works on a meta-device model."""
+        """Total and active (one token's share of the routed experts) counts; works on meta."""
         total = sum(p.numel() for p in self.parameters())
         routed = sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
         return {"total": total, "active": total - routed + routed * self.cfg.top_k // self.cfg.n_experts}
@@ -900,7 +882,6 @@ class Transformer(nn.Module):
         return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * ctx
 
     def new_cache(self, length: int) -> list[KVCache]:
-        """An empty KV cache for sequences of up to `length` tokens, one KVCache per layer."""
         return [KVCache(length, None if self.cfg.is_global(i) else self.cfg.window) for i in range(self.cfg.n_layers)]
 
     @torch.no_grad()
@@ -908,12 +889,11 @@ class Transformer(nn.Module):
                  top_p: float | None = None, allowed_V: torch.Tensor | None = None, stop_id: int | None = None):
         """Sample max_new_tokens after each row of tokens_BT (sample_next's arguments): [B, T + new]. The prompt fills
         a KV cache once, then one token a step, eagerly (no recompiling per length). A row that samples stop_id repeats
-        it; sampling ends once every row has. A sharded model's ranks must call it with the same tokens and RNG state,
-        and give stop_id only where their draws cannot differ (a rank stopping alone leaves the others waiting)."""
+        it; sampling ends once every row has. A sharded model's ranks must pass the same tokens and RNG state, and
+        stop_id only where their draws cannot differ (a rank stopping alone leaves the others waiting)."""
         S = tokens_BT.shape[1] + max_new_tokens
         if S > self.cfg.max_seq_len:
-            _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}: the "
-                       f"global layers attend to more tokens than the model was trained on.")
+            _warn_once(f"generating {S} tokens, past max_seq_len={self.cfg.max_seq_len}, the model's training length.")
         cache = self.new_cache(S)
         steps = [tokens_BT]  # the prompt, then a [B, 1] token per step
         done_B1 = torch.zeros(tokens_BT.shape[0], 1, dtype=torch.bool, device=tokens_BT.device)
@@ -930,7 +910,7 @@ class Transformer(nn.Module):
 
 
 def top_p_filter(logits_BV, top_p: float | None):
-    """-inf outside each row's nucleus: a token is kept while the tokens ranked above it hold less than top_p."""
+    """-inf outside each row's nucleus: a token stays while those ranked above it hold less than top_p."""
     if top_p is None or top_p >= 1:
         return logits_BV
     sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
@@ -942,7 +922,7 @@ def top_p_filter(logits_BV, top_p: float | None):
 def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 allowed_V: torch.Tensor | None = None):
     """One id per row [B, 1]: the argmax at temperature 0, else drawn from softmax(logits / temperature) over the
-    top_k ids, then their top_p nucleus. allowed_V: True for ids that may come out (the tokenizer's, not padding)."""
+    top_k ids, then their top_p nucleus. allowed_V: True for ids that may come out (not padding)."""
     logits_BV = logits_BV.float()
     if allowed_V is not None:
         logits_BV = logits_BV.masked_fill(~allowed_V, float("-inf"))
@@ -956,7 +936,6 @@ def sample_next(logits_BV, temperature: float = 1.0, top_k: int | None = None, t
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
-    """A parameter-less model for counting and planning."""
     with torch.device("meta"):
         return Transformer(cfg)
 

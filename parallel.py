@@ -25,7 +25,6 @@ import sys
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -33,17 +32,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint as ckpt
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adamw import adamw
-from torch.utils.checkpoint import (
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
 
 from model import Attention, GroupedExperts, ModelConfig, MoE, Transformer, attend, expert_ffn, meta_model
 
@@ -68,46 +61,43 @@ def host_memory_available() -> int | None:
 
 
 def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, gradients and optimizer state"):
-    """Refuse a CPU model whose weights on this rank times `copies` cannot fit, with this machine's other ranks, in its
-    available memory (else the OOM killer ends the run without a word). A lower bound: activations are not counted."""
+    """Refuse a CPU model whose weights times `copies`, on each of this machine's ranks, exceed its available memory
+    (else the OOM killer ends the run without a word). A lower bound: activations are not counted."""
     available = host_memory_available()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     need = copies * sum(t.numel() * t.element_size() for t in map(local, model.parameters()))
     if available is not None and need * ranks > available:
         raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
-                         f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model (--preset, "
-                         f"--n_layers, --n_experts), more machines (FSDP shards it over all ranks) or GPUs.")
+                         f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model or more ranks.")
 
 
 def use_cuda() -> bool:
-    """Whether to compute on a GPU: NANOTITAN_DEVICE=cpu or cuda says so; unset (or auto): where a GPU is visible."""
+    """Whether to compute on a GPU: NANOTITAN_DEVICE=cpu or cuda says so; unset (or auto): where one is visible."""
     choice = os.environ.get("NANOTITAN_DEVICE", "auto")
     if choice not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"NANOTITAN_DEVICE={choice} is not one of auto, cpu, cuda; unset it to use a GPU where "
-                         f"there is one.")
+        raise ValueError(f"NANOTITAN_DEVICE={choice} is not one of auto, cpu, cuda; unset it or pick one.")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("NANOTITAN_DEVICE=cuda but torch sees no CUDA GPU; unset it (or set cpu) to run on the CPU.")
+        raise ValueError("NANOTITAN_DEVICE=cuda but torch sees no CUDA GPU; unset it (or set cpu).")
     return choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
 
 
 def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: NCCL on CUDA (a GPU per LOCAL_RANK) or gloo, a collective timeout
-    failing a hung rank loudly, over the first `used` ranks (default: all; the others stand by). Else one process."""
+    """(rank, world size, device). Under torchrun: NCCL on CUDA (a GPU per LOCAL_RANK) or gloo, with a collective
+    timeout, over the first `used` ranks (default: all; the others stand by). Else one process."""
     cuda = use_cuda()
     if not cuda:
-        # glibc hands every freed block over 32 MiB back to the OS, which zero-fills it afresh at the next step (a
-        # quarter of an MoE layer's CPU time): keep blocks under 1 GiB for reuse (M_MMAP_ and M_TRIM_THRESHOLD).
+        # glibc returns freed blocks over 32 MiB to the OS, which zero-fills them afresh next step (a quarter of an
+        # MoE layer's CPU time): keep blocks under 1 GiB for reuse (M_MMAP_ and M_TRIM_THRESHOLD).
         with contextlib.suppress(OSError, AttributeError):
             for option in (-3, -1):
                 ctypes.CDLL("libc.so.6").mallopt(option, 1 << 30)
-        # torch runs a thread per core; on cores busy with other work its threads wait for each other (measured on 2
-        # busy cores: a tiny step 29 s with 2 threads, 3 s with 1). torchrun already gives each of N > 1 ranks one.
+        # torch runs a thread per core; on busy cores its threads wait for each other (on 2 busy cores: a tiny step
+        # 29 s with 2 threads, 3 s with 1). torchrun already gives each of N > 1 ranks one.
         threads = torch.get_num_threads()
         with contextlib.suppress(OSError, AttributeError):  # the load average: Unix only
             if threads > 1 and os.getloadavg()[0] > threads:
-                print(f"warning: the CPU is busy (load {os.getloadavg()[0]:.1f} on {threads} threads), so torch's "
-                      f"{threads} threads may run many times slower than one; set OMP_NUM_THREADS=1 (README)",
-                      file=sys.stderr)
+                print(f"warning: the CPU is busy (load {os.getloadavg()[0]:.1f} on {threads} threads), so one thread "
+                      f"may run faster; set OMP_NUM_THREADS=1", file=sys.stderr)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
@@ -123,16 +113,17 @@ def init_distributed(timeout_s: int = 600, used: int | None = None) -> tuple[int
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} visible GPUs; "
-                               f"launch at most --nproc_per_node={torch.cuda.device_count()} processes per node.")
+                               f"lower --nproc_per_node.")
         torch.cuda.set_device(device)
     if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
-        # torch's Flight Recorder: each process group's last 2,000 collectives, which train.py's hang report reads.
+        # torch's Flight Recorder: each group's last 2,000 collectives, for train.py's hang report.
         os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     global _store
-    _store = _round_store(rank, world, timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    _store = _round_store(rank, world, timeout)
     if rank >= used:
         standby(rank, world, used)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                             device_id=device if cuda else None, store=_store, rank=rank, world_size=used)
     return rank, used, device
 
@@ -142,9 +133,9 @@ ROUND_KEY = "/nanotitan/round_store"  # in torchrun's store: "port nonce" of thi
 
 
 def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """A store of this round's ranks alone, on rank 0's node: torchrun (torch >= 2.5) keeps one store for a whole
-    job, across restarts, where a new round's ranks would read a dead round's keys. Rank 0 hosts a fresh one and
-    writes its port and a nonce there; the others connect to the port written last until one answers that nonce."""
+    """A store of this round's ranks alone: torchrun (torch >= 2.5) keeps one store across restarts, where a new
+    round would read a dead round's keys. Rank 0 hosts a fresh one and writes its port and a nonce there; the others
+    connect to the port written last until one answers that nonce."""
     host = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # the port is ours: rank 0 hosts the store there
@@ -169,8 +160,8 @@ def _round_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
 
 
 def standby(rank: int, world: int, used: int):
-    """A rank beyond a whole number of replicas: no model, no collective, until the job ends (rank 0's store says so,
-    or is gone) or torchrun restarts it into a world that uses it."""
+    """A rank beyond a whole number of replicas: no model, no collective, until the job ends (rank 0's store says
+    so, or is gone) or torchrun restarts it."""
     print(f"rank {rank} stands by: the first {used} of {world} ranks train; it is used at the next restart", flush=True)
     with contextlib.suppress(RuntimeError):  # rank 0, and with it the round, is gone: torchrun decides what follows
         while not _store.check(["done"]):
@@ -179,8 +170,8 @@ def standby(rank: int, world: int, used: int):
 
 
 def finish(code: int) -> int:
-    """Collect the reference cycles holding process groups while the interpreter is whole; leave a torchrun worker
-    without interpreter shutdown (gloo's leftovers can abort a run that succeeded). Standing-by ranks end with it."""
+    """Collect the cycles holding process groups while the interpreter is whole; leave a torchrun worker without
+    interpreter shutdown (gloo's leftovers can abort a run that succeeded). Standing-by ranks end with it."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -195,20 +186,20 @@ def finish(code: int) -> int:
 
 
 def rank_world() -> tuple[int, int]:
-    """(this process's rank, the number of ranks): (0, 1) without a process group."""
+    """(rank, number of ranks): (0, 1) without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def say(*args, **kwargs):
-    """print on rank 0 only: what a run tells its user once, whatever the number of ranks."""
+    """print on rank 0 only."""
     if rank_world()[0] == 0:
         print(*args, **kwargs)
 
 
 def gathered(value) -> list:
-    """Every rank's `value` in rank order, on every rank: how ranks agree (on rank 0's value, or on any rank's)."""
+    """Every rank's `value` in rank order, on every rank."""
     values = [value] * rank_world()[1]
     if len(values) > 1:
         dist.all_gather_object(values, value)
@@ -216,7 +207,7 @@ def gathered(value) -> list:
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks, in place (a no-op in one process): the global batch's counts, on every rank."""
+    """Sum over all ranks, in place (a no-op in one process)."""
     if rank_world()[1] > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -228,10 +219,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass
+@dataclasses.dataclass
 class Layout:
     """`world` ranks as dp_replicate replicas of an FSDP group of dp_shard x cp ranks: dp_shard ranks read different
-    rows of the batch, each as cp ranks holding a contiguous 1/cp of each row's tokens; EP groups of ep ranks."""
+    rows, each as cp ranks holding a contiguous 1/cp of each row's tokens; EP groups of ep ranks."""
     world: int
     dp_replicate: int = 1
     ep: int = 1
@@ -239,23 +230,19 @@ class Layout:
 
     @classmethod
     def for_world(cls, launched: int, dp_replicate: int, dp_shard: int, ep: int, cp: int = 1) -> "Layout":
-        """The layout of `launched` ranks: dp_replicate replicas of FSDP groups of dp_shard x cp ranks (dp_shard 0:
-        launched / dp_replicate / cp). dp_replicate=0 (auto): as many as fit, following an elastic job's world; the
-        rest stand by."""
+        """The layout of `launched` ranks (dp_shard 0: launched / dp_replicate / cp). dp_replicate=0 (auto): as many
+        replicas as fit, following an elastic job's world; the rest stand by."""
         group = dp_shard * cp
         x_cp = f" x --cp={cp}" if cp > 1 else ""
         if dp_replicate == 0:
             if dp_shard == 0:
-                raise ValueError("--dp_replicate=auto makes as many replicas of --dp_shard ranks as the world holds; "
-                                 "pass --dp_shard, the FSDP group size to keep.")
+                raise ValueError("--dp_replicate=auto needs --dp_shard, the FSDP group size to keep.")
             if launched < group:
-                raise ValueError(f"{launched} launched ranks cannot hold one FSDP group of --dp_shard={dp_shard}"
-                                 f"{x_cp}; launch at least {group} ranks or lower --dp_shard.")
+                raise ValueError(f"{launched} ranks cannot hold --dp_shard={dp_shard}{x_cp}; launch more or lower it.")
             return cls(launched // group * group, launched // group, ep, cp)
         if dp_shard and dp_replicate * group != launched:
             raise ValueError(f"--dp_replicate={dp_replicate} x --dp_shard={dp_shard}{x_cp} is {dp_replicate * group} "
-                             f"ranks but {launched} were launched; launch that many, or pass --dp_replicate=auto to "
-                             f"follow the world.")
+                             f"ranks but {launched} were launched; launch that many or use --dp_replicate=auto.")
         return cls(launched, dp_replicate, ep, cp)
 
     @property
@@ -264,12 +251,11 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Ranks reading different rows of the global batch (the cp ranks of a group read the same rows)."""
+        """Ranks reading different rows of the global batch (a cp group reads the same rows)."""
         return self.world // self.cp
 
     def data_rank(self, rank: int) -> tuple[int, int]:
-        """(which of the dp row blocks rank `rank` reads, which of the cp chunks of each row it holds): build_mesh's
-        order [dp_replicate, efsdp, cp, ep], cp dropped."""
+        """(the dp row block rank `rank` reads, the cp chunk of each row it holds), in build_mesh's order."""
         return rank // (self.cp * self.ep) * self.ep + rank % self.ep, rank // self.ep % self.cp
 
     @property
@@ -277,44 +263,34 @@ class Layout:
         return self.dp_shard // self.ep
 
     def check(self, model_cfg: ModelConfig, global_batch: int, micro_batch: int):
-        """Raise ValueError (one sentence: the values and what to change) if this layout cannot train `model_cfg` on
-        `global_batch` sequences in micro-batches of `micro_batch`: on every rank alike, before any collective."""
-        W = self.world  # these sizes are each >= 1 (TrainConfig's rules)
-        R = self.dp_replicate
-        ep = self.ep
-        cp = self.cp
-        E = model_cfg.n_experts
+        """Raise ValueError, one sentence, if this layout cannot train `model_cfg` on `global_batch` sequences in
+        micro-batches of `micro_batch`: on every rank alike, before any collective."""
+        W, R, ep, cp = self.world, self.dp_replicate, self.ep, self.cp  # each >= 1 (TrainConfig's rules)
         launched = rank_world()[1]
         if dist.is_available() and dist.is_initialized() and launched != W:
-            raise ValueError(f"Layout(world={W}) does not match the {launched} launched processes; pass "
-                             f"world={launched}.")
+            raise ValueError(f"Layout(world={W}) does not match {launched} launched processes; pass world={launched}.")
         if W % R:
-            raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose dp_replicate from "
-                             f"{divisors(W)}.")
+            raise ValueError(f"world size {W} is not divisible by dp_replicate={R}; choose from {divisors(W)}.")
         if W % (R * cp):
             raise ValueError(f"world size {W} is not divisible by dp_replicate={R} x cp={cp}; choose cp from "
                              f"{divisors(W // R)}.")
-        if model_cfg.n_kv_heads % cp:
-            raise ValueError(f"cp={cp} does not divide n_kv_heads={model_cfg.n_kv_heads}: attention gives each cp "
-                             f"rank whole sequences for 1/cp of the heads; choose cp from "
+        if model_cfg.n_kv_heads % cp:  # attention gives each cp rank whole sequences for 1/cp of the heads
+            raise ValueError(f"cp={cp} does not divide n_kv_heads={model_cfg.n_kv_heads}: choose cp from "
                              f"{divisors(model_cfg.n_kv_heads)}.")
-        S = W // R // cp
-        if S % ep:
+        S = self.dp_shard
+        if S % ep:  # an EP group would straddle two FSDP groups
             raise ValueError(f"ep={ep} does not divide dp_shard={S} (world {W} / dp_replicate {R}"
-                             + (f" / cp {cp}" if cp > 1 else "") + "), so an expert-parallel group would straddle two "
-                             f"FSDP groups; choose ep from {divisors(S)}.")
-        if E % ep:
-            raise ValueError(f"n_experts={E} is not divisible by ep={ep}; choose ep from "
-                             f"{[d for d in divisors(S) if E % d == 0]} (divisors of both dp_shard={S} and {E}).")
+                             + (f" / cp {cp}" if cp > 1 else "") + f"); choose ep from {divisors(S)}.")
+        if model_cfg.n_experts % ep:
+            raise ValueError(f"n_experts={model_cfg.n_experts} is not divisible by ep={ep}; choose ep from "
+                             f"{[d for d in divisors(S) if model_cfg.n_experts % d == 0]}.")
         if ep > 1 and model_cfg.n_dense_layers >= model_cfg.n_layers:
-            raise ValueError(f"ep={ep} but the model has no MoE layer (n_dense_layers={model_cfg.n_dense_layers} of "
-                             f"n_layers={model_cfg.n_layers}); use ep=1.")
-        D = self.dp
-        if global_batch % (D * micro_batch):
+            raise ValueError(f"ep={ep} but the model has no MoE layer; use ep=1.")
+        n = self.dp * micro_batch
+        if global_batch % n:
             rows = f"world {W}" if cp == 1 else f"world {W} / cp {cp}"
             raise ValueError(f"global_batch={global_batch} sequences is not divisible by {rows} x micro_batch "
-                             f"{micro_batch} = {D * micro_batch}; make global_batch a multiple of {D * micro_batch} "
-                             f"or use a micro_batch that divides global_batch / {D}.")
+                             f"{micro_batch} = {n}; make global_batch a multiple of {n}.")
 
     def accumulation_steps(self, global_batch: int, micro_batch: int) -> int:
         return global_batch // (self.dp * micro_batch)
@@ -322,11 +298,7 @@ class Layout:
     def describe(self, n_experts: int | None = None) -> str:
         """Which ranks form each FSDP group, replica and EP group, and where the experts live."""
         W = self.world
-        R = self.dp_replicate
-        S = self.dp_shard
-        F = self.efsdp
-        ep = self.ep
-        cp = self.cp
+        R, F, cp, ep = self.dp_replicate, self.efsdp, self.cp, self.ep  # the mesh's shape
         if W == 1:
             return "1 process: no data or expert parallelism."
 
@@ -338,7 +310,7 @@ class Layout:
         x_cp = f" x cp={cp}" if cp > 1 else ""
         lines = [f"mesh [dp_replicate={R}, efsdp={F}, {f'cp={cp}, ' if cp > 1 else ''}ep={ep}] over {W} ranks"]
         for wanted, name, grid in (
-                (True, f"FSDP groups (dense params, dp_shard={S}{x_cp})", ranks.reshape(R, -1)),
+                (True, f"FSDP groups (dense params, dp_shard={self.dp_shard}{x_cp})", ranks.reshape(R, -1)),
                 (R > 1, f"replicas (dp_replicate={R}, dense and experts)", ranks.permute(1, 2, 3, 0)),
                 (ep > 1, f"EP groups (ep={ep}, consecutive ranks)", ranks),
                 (cp > 1, f"CP groups (cp={cp}, the chunks of a row)", ranks.transpose(2, 3)),
@@ -355,14 +327,12 @@ class Layout:
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
-    """The mesh [dp_replicate, efsdp, cp, ep] plus the flattened dims "dp_shard" = (efsdp, cp, ep), FSDP's group for
-    dense parameters (Layout.dp_shard x cp ranks), and efsdp_cp = (efsdp, cp), the routed experts'; None in one
-    process."""
+    """The mesh [dp_replicate, efsdp, cp, ep] plus the flattened dims "dp_shard" = (efsdp, cp, ep), the dense
+    parameters' FSDP group, and "efsdp_cp" = (efsdp, cp), the routed experts'; None in one process."""
     if layout.world == 1:
         return None
     if not dist.is_initialized():
-        raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun "
-                           f"--nproc_per_node={layout.world} (or across nodes) and call init_distributed() first.")
+        raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun.")
     mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.cp, layout.ep),
                             mesh_dim_names=("dp_replicate", "efsdp", "cp", "ep"))
     mesh["efsdp", "cp", "ep"]._flatten("dp_shard")
@@ -371,7 +341,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
 
 
 def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """mesh[names] with flattened dims among them (torch 2.13 warns this will go away; 2.11-2.13 do it)."""
+    """mesh[names] with flattened dims among them (torch 2.13 warns this will go away)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[names]
@@ -380,8 +350,8 @@ def _submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
 # --- The model, parallelized: expert parallelism, FSDP2, activation checkpointing, compile
 
 class ExpertParallelExperts(GroupedExperts):
-    """The E/ep experts of this EP rank; forward sends each token to its expert's rank and back. The weights are
-    DTensors, Shard(0) over "ep": the plain model's shapes and names, which DCP can reshard to any layout."""
+    """This EP rank's E/ep experts; forward sends each token to its expert's rank and back. The weights are DTensors,
+    Shard(0) over "ep": the plain model's shapes and names, which DCP can reshard to any layout."""
 
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh):
         nn.Module.__init__(self)  # not GroupedExperts.__init__: that would allocate all E experts
@@ -398,8 +368,8 @@ class ExpertParallelExperts(GroupedExperts):
 
     def forward(self, x_MD, counts_E, scale_M):
         ep = self.ep_mesh.size()
-        # Counts first. Row p of send_counts_PL is what we send peer p, one count per expert of p; row p of
-        # recv_counts_PL is what peer p sends us, one count per local expert.
+        # Counts first: row p of send_counts_PL is what we send peer p, per expert of p; row p of recv_counts_PL
+        # what peer p sends us, per local expert.
         send_counts_PL = counts_E.view(ep, -1)
         recv_counts_PL = funcol.all_to_all_single(send_counts_PL.flatten(), None, None, self.ep_mesh).view(ep, -1)
         send_splits, recv_splits = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()  # host sync
@@ -424,10 +394,9 @@ def apply_ep(model: Transformer, mesh: DeviceMesh):
 
 
 class ContextParallel:
-    """Context parallelism by all-to-all (Ulysses): each of the `size` ranks of a cp group holds a contiguous 1/size of
+    """Context parallelism by all-to-all (Ulysses): each of a cp group's `size` ranks holds a contiguous 1/size of
     each sequence's tokens, except inside attention, where it holds whole sequences for 1/size of the heads (q and kv
-    heads split alike, so grouped-query pairs stay together): any kernel and mask (windows, documents) work unchanged.
-    The model calls it where it needs the whole sequence (Transformer.seq_parallel and its blocks')."""
+    split alike, keeping GQA pairs together), so any kernel and mask work unchanged."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         self.mesh = cp_mesh
@@ -435,17 +404,17 @@ class ContextParallel:
         self.rank = cp_mesh.get_local_rank()
 
     def gather(self, x_BT: torch.Tensor) -> torch.Tensor:
-        """The whole sequences' values [B, size * T] of a per-token tensor without gradient (document ids)."""
+        """The whole sequences [B, size * T] of a per-token tensor without gradient (document ids)."""
         chunks = [torch.empty_like(x_BT) for _ in range(self.size)]
         dist.all_gather(chunks, x_BT.contiguous(), group=self.mesh.get_group())
         return torch.cat(chunks, 1)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the cp group, without gradient (per-sequence expert counts); compiled blocks trace it."""
+        """x summed over the cp group, without gradient; compiled blocks trace it."""
         return funcol.all_reduce(x, "sum", self.mesh)
 
     def _to_heads(self, x_BHTDh: torch.Tensor) -> torch.Tensor:
-        """[B, H, T, Dh], this rank's tokens of every head -> [B, H/size, size*T, Dh], all tokens of its heads."""
+        """[B, H, T, Dh], this rank's tokens of every head -> [B, H/size, size*T, Dh], every token of its heads."""
         B, H, T, Dh = x_BHTDh.shape
         send_PBhTDh = x_BHTDh.reshape(B, self.size, H // self.size, T, Dh).transpose(0, 1).contiguous()
         recv_PBhTDh = funcol.all_to_all_single_autograd(send_PBhTDh, None, None, self.mesh)
@@ -459,7 +428,7 @@ class ContextParallel:
         return recv_PBhTDh.transpose(0, 1).reshape(B, h * self.size, S // self.size, Dh)
 
     def attend(self, q_BHTDh, k_BGTDh, v_BGTDh, mask):
-        """model.attend over whole sequences (mask: theirs, from Transformer.forward), for this rank's tokens."""
+        """model.attend over whole sequences (mask: theirs), for this rank's tokens."""
         o_BhSDh = attend(self._to_heads(q_BHTDh), self._to_heads(k_BGTDh), self._to_heads(v_BGTDh), mask)
         return self._to_tokens(o_BhSDh)
 
@@ -474,7 +443,7 @@ def apply_cp(model: Transformer, mesh: DeviceMesh):
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None):
     """fully_shard each block and the root over (dp_replicate, dp_shard x cp), routed experts over (dp_replicate,
-    efsdp x cp): a cp rank holds other tokens of the same rows, so its gradients are summed as another rank's rows'."""
+    efsdp x cp): a cp rank's gradients (other tokens of the same rows) are summed like another rank's rows'."""
     replicas = ("dp_replicate",) if mesh["dp_replicate"].size() > 1 else ()
     dense_mesh = _submesh(mesh, *replicas, "dp_shard")
     expert_mesh = _submesh(mesh, *replicas, "efsdp_cp")
@@ -482,8 +451,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     for block in model.layers.values():
         if isinstance(block.ffn, MoE):
             experts = fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
-            # FSDP divides by its own mesh (world / ep ranks), but an expert's gradient already sums the tokens of
-            # all ep peers (the all-to-all backward): dividing by the world gives the global-batch mean, as dense.
+            # FSDP divides by its mesh (world / ep ranks), but an expert's gradient already sums all ep peers'
+            # tokens (the all-to-all backward): dividing by the world gives the global-batch mean, as dense.
             experts.set_gradient_divide_factor(float(mesh.size()))
             if mesh.device_type == "cpu" and mesh["efsdp"].size() * mesh["cp"].size() > 1:
                 # A custom factor reduce-scatters with PREMUL_SUM, which gloo lacks: sum, then divide. (Not with a
@@ -494,7 +463,7 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
 
 
 def _ops(*names: str) -> set:
-    """The named aten / c10d ops this torch build has (the attention kernels and collectives vary by version)."""
+    """The named ops this torch build has (attention kernels and collectives vary by version)."""
     found = set()
     for namespace, op, overload in (name.split(".") for name in names):
         packet = getattr(getattr(torch.ops, namespace, None), op, None)
@@ -503,8 +472,7 @@ def _ops(*names: str) -> set:
     return found
 
 
-# Selective AC keeps matmul outputs (attention kernels too), the EP and CP all-to-alls' and the CP balance loss's
-# all-reduce, so recompute issues no collective.
+# Selective AC keeps matmul and attention outputs and the EP and CP collectives', so recompute issues no collective.
 _SAC_SAVE = _ops(*(f"aten.{op}.default" for op in (
     "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention")),
@@ -515,50 +483,50 @@ if hasattr(torch._higher_order_ops, "flex_attention"):
 
 
 def _sac_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return ckpt.CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(model: Transformer, mode: str):
-    """"full": recompute every block in backward; "selective": recompute all but matmuls and all-to-alls. The
-    block's forward is wrapped in place (no wrapper module), so state-dict names do not change."""
+    """"full": recompute every block in backward; "selective": all but matmuls and collectives. Each block's
+    forward is wrapped in place (no wrapper module), so state-dict names do not change."""
     if mode == "none":
         return
-    context_fn = noop_context_fn
+    context_fn = ckpt.noop_context_fn
     if mode == "selective":
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+        context_fn = functools.partial(ckpt.create_selective_checkpoint_contexts, _sac_policy)
         # SAC replays the region's ops by count, but the experts' FSDP hooks inside the block call profiler
-        # annotations a different number of times in forward and in recompute (torchtitan#3427, torch 2.13).
-        SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
+        # annotations a different number of times in forward and in recompute (torch 2.13).
+        ckpt.SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new.default",
                                     "profiler._record_function_exit._RecordFunction"))
     for block in model.layers.values():
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
+        block.forward = functools.partial(ckpt.checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
 
 
 def apply_compile(model: Transformer, backend: str = "inductor"):
-    """torch.compile each block in place (nn.Module.compile keeps state-dict names; no `_orig_mod.`). The EP
-    all-to-all needs host-side split sizes, so a MoE block compiles as a few graphs around it."""
-    # Block.forward compiles per block kind, grad mode and shape: past dynamo's default 8 variants the rest run eager.
+    """torch.compile each block in place (state-dict names kept). The EP all-to-all needs host-side split sizes, so
+    a MoE block compiles as a few graphs around it."""
+    # Block.forward compiles per block kind, grad mode and shape: past dynamo's default 8 variants it runs eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers.values():
         block.compile(backend=backend)
 
 
-# --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place (a rollback's bf16)
+# --- Low precision: the blocks' matmuls in FP8 or MXFP8 through torchao, switchable in place
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
-# What each converted matmul's reduction dims (widths; tokens for the weight gradient) must be a multiple of: fp8's
+# Each converted matmul's reduction dims (widths; tokens for the weight gradient) must be a multiple of this: fp8's
 # scaled GEMMs need 16, MXFP8 scales blocks of 32 values.
 ALIGN = {"fp8": 16, "mxfp8": 32}
 
 
 class LowPrecision(torch.overrides.TorchFunctionMode):
-    """Active inside a converted module's forward: a linear's F.linear, or the routed experts' grouped GEMM over token
-    groups (MXFP8), runs as torchao's FP8 (rowwise scales) or MXFP8 matmul, forward and backward; the fp32 master
-    weights are cast per call and nothing else changes. On CPU torchao emulates them (quantise, dequantise, matmul
-    in high precision). The experts' per-expert loop (no grouped GEMM) stays in high precision."""
+    """Inside a converted module's forward, F.linear (or the experts' grouped GEMM, MXFP8) runs as torchao's FP8
+    (rowwise) or MXFP8 matmul, forward and backward, on fp32 master weights cast per call; on CPU torchao emulates
+    them. The experts' per-expert loop (no grouped GEMM) stays in high precision."""
 
     def __init__(self, precision: str, device: torch.device, experts: bool):
         super().__init__()
+        self.precision = precision
         self.align = ALIGN[precision]
         self.experts = experts
         emulate = device.type != "cuda"
@@ -578,8 +546,7 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
             kernels = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
             self.linear = lambda x, w: _to_mxfp8_then_scaled_mm(x, w, kernels, ScaleCalculationMode.RCEIL)
             # Each expert's token group padded to a multiple of 32: the weight gradient's scaling blocks run along
-            # tokens, and a block must not span two experts (nor can a rank's token count be left to chance). bf16
-            # out, as on a GPU (the emulation's dequantised operands are bf16 on CPU too).
+            # tokens and must not span two experts. bf16 out, as on a GPU (the emulation's operands are bf16 too).
             self.grouped = functools.partial(_to_mxfp8_then_scaled_grouped_mm, kernel_preference=kernels,
                                              out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=True)
 
@@ -589,9 +556,8 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
             x, w = args[:2]
             tokens = x.numel() // x.shape[-1]
             if torch.is_grad_enabled() and tokens % self.align:  # the weight gradient reduces over the tokens
-                raise ValueError(f"--precision={'fp8' if self.align == 16 else 'mxfp8'} needs the tokens of a "
-                                 f"micro-batch (micro_batch x seq_len) to be a multiple of {self.align}, but there "
-                                 f"are {tokens}; change --seq_len or --micro_batch.")
+                raise ValueError(f"--precision={self.precision} needs micro_batch x seq_len to be a multiple of "
+                                 f"{self.align}, not {tokens}.")
             if torch.is_autocast_enabled(x.device.type):  # what autocast would have done to F.linear's operands
                 dtype = torch.get_autocast_dtype(x.device.type)
                 x, w = x.to(dtype), w.to(dtype)
@@ -602,27 +568,25 @@ class LowPrecision(torch.overrides.TorchFunctionMode):
 
 
 def low_precision_modules(model: Transformer, precision: str) -> list[tuple[str, nn.Module]]:
-    """The modules --precision converts: each block's attention and FFN linears (the shared expert's too) and, in
-    MXFP8, the routed experts. The router stays fp32 (its scores choose the experts), the embedding and head in the
-    compute dtype (the head's logits are the loss): the usual exclusions of FP8 training."""
+    """The modules --precision converts: the blocks' attention and FFN linears and, in MXFP8, the routed experts.
+    The router stays fp32 (its scores choose the experts), the embedding and head (the loss) in the compute dtype."""
     return [(name, m) for name, m in model.named_modules() if name.startswith("layers.") and (
         (isinstance(m, nn.Linear) and not name.endswith(".router"))
         or (isinstance(m, GroupedExperts) and precision == "mxfp8"))]
 
 
 def check_precision(precision: str, cfg: ModelConfig, device: torch.device):
-    """Raise ValueError (one sentence) if --precision cannot run here: torchao missing, a GPU without the format, or
-    a converted matmul's dimension that is not a multiple of its scaling block."""
+    """Raise ValueError if --precision cannot run here: no torchao, a GPU without the format, or a converted
+    matmul's dimension off its scaling block."""
     if precision == "bf16":
         return
     if importlib.util.find_spec("torchao") is None:
-        raise ValueError(f"--precision={precision} needs torchao: pip install torchao==0.18.0 (requirements.txt).")
+        raise ValueError(f"--precision={precision} needs torchao: pip install torchao==0.18.0.")
     need = {"fp8": ((8, 9), "8.9 (Ada, Hopper: H100, H200)"), "mxfp8": ((10, 0), "10.0 (Blackwell: B200, B300)")}
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < need[precision][0]:
         has = torch.cuda.get_device_capability(device)
-        raise ValueError(f"--precision={precision} needs a GPU of compute capability {need[precision][1]} or more, "
-                         f"but this {torch.cuda.get_device_name(device)} has {has[0]}.{has[1]}; use --precision=bf16"
-                         + (" or fp8." if has >= need["fp8"][0] else "."))
+        raise ValueError(f"--precision={precision} needs compute capability {need[precision][1]} or more, not "
+                         f"{has[0]}.{has[1]}; use --precision=bf16" + (" or fp8." if has >= need["fp8"][0] else "."))
     align = ALIGN[precision]
     dims = {"dim": cfg.dim, "n_heads x head_dim": cfg.n_heads * cfg.head_dim, "n_kv_heads x head_dim":
             cfg.n_kv_heads * cfg.head_dim, "dense_hidden": cfg.dense_hidden if cfg.n_dense_layers else align,
@@ -631,13 +595,12 @@ def check_precision(precision: str, cfg: ModelConfig, device: torch.device):
     bad = [f"{name} = {value}" for name, value in dims.items() if value % align]
     if bad:
         raise ValueError(f"--precision={precision} scales blocks of {align} values, but {', '.join(bad)} is not a "
-                         f"multiple of {align}; choose model sizes that are, or --precision=bf16.")
+                         f"multiple of {align}; change it or use --precision=bf16.")
 
 
 def set_precision(model: Transformer, precision: str, device: torch.device):
-    """Run the converted modules' matmuls in `precision` from the next forward on ("bf16": as built, in the compute
-    dtype). Only their forward changes (an instance attribute, as apply_ac's): weights, names, FSDP and optimizer
-    state stay as they are, so a rollback can return a run to bf16 in place."""
+    """Run the converted modules' matmuls in `precision` from the next forward on ("bf16": as built). Only their
+    forward changes (weights, FSDP and optimizer state stay), so a rollback can return a run to bf16 in place."""
     if getattr(model, "precision", None) == precision:  # unchanged: a compiled block keeps its graphs
         return
     for _, module in low_precision_modules(model, "mxfp8"):
@@ -656,20 +619,18 @@ def _in_mode(mode: LowPrecision, forward, *args, **kwargs):
 
 
 def _draw_whole_keep_shard(tensor: torch.Tensor, init):
-    """DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream. On CPU each sharded tensor
-    is drawn whole and this rank keeps its shard: the weights one process draws from the same seed."""
+    """DTensor's RNG tracker (CUDA only) draws each shard as a slice of one global stream; on CPU each sharded tensor
+    is drawn whole and this rank keeps its shard: the weights of one process."""
     if not isinstance(tensor, DTensor):
         return init(tensor)
     whole = init(torch.empty(tensor.shape, dtype=tensor.dtype))
     tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None))
 
 
-def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device,
-                ac: str = "none", compile: bool = False, param_dtype: torch.dtype | None = None,
-                seed: int = 0, state_copies: int = 1, precision: str = "bf16") -> Transformer:
-    """Build on meta, then EP, low precision, AC, compile and FSDP (torchtitan's order: FSDP wraps the checkpointed,
-    compiled blocks; mesh None: one process); allocate this rank's shards, refused first on CPU if `state_copies` of
-    them cannot fit, and initialise them from `seed`, the same weights whatever the layout."""
+def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None, device: torch.device, ac="none",
+                compile=False, param_dtype=None, seed=0, state_copies=1, precision="bf16") -> Transformer:
+    """Build on meta, then EP, low precision, AC, compile and FSDP (torchtitan's order; mesh None: one process);
+    allocate this rank's shards (on CPU, if `state_copies` fit) and draw the weights one process draws from `seed`."""
     check_precision(precision, model_cfg, device)
     model = meta_model(model_cfg)
     if mesh is not None and layout.ep > 1:
@@ -693,12 +654,12 @@ def build_model(model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh | None,
     return model
 
 
-# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices and AdamW for the rest
+# --- The optimizer step: the global gradient norm; AdamW, or Muon for the hidden matrices
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip all gradients to a total 2-norm of max_norm; return the norm before clipping. Gradients live on several
-    meshes (dense and experts), so each mesh's norm is reduced over its own shards, then they are combined."""
+    """Clip all gradients to a total 2-norm of max_norm; return the norm before clipping. Each mesh's (dense,
+    experts) norm is reduced over its own shards, then they are combined."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
@@ -706,10 +667,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     for g in grads:
         by_spec.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
     norms = [torch.nn.utils.get_total_norm(group, 2.0) for group in by_spec.values()]
-    total_norm = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float().square()
-                              for n in norms]).sum().sqrt()
+    total_norm = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float() for n in norms]).norm()
     clip = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if clip < 1:  # a host sync between backward and the optimizer; steps within the norm skip a pass over gradients
+    if clip < 1:  # a host sync; steps within the norm skip a pass over the gradients
         locals_ = [local(g) for g in grads]  # views: scaling them scales the gradients
         torch._foreach_mul_(locals_, clip.to(locals_[0].device))
     return total_norm
@@ -721,7 +681,7 @@ NS_STEPS = 5
 
 def newton_schulz(u_XOF: torch.Tensor) -> torch.Tensor:
     """Orthogonalise each matrix of [X, O, F] (about U Vᵀ of its SVD): Frobenius norm 1, then NS_STEPS quintic
-    iterations in the input's dtype, turned wide so the Gram matrices are the small ones; batched."""
+    iterations in the input's dtype, turned wide so the Gram matrices are the small ones."""
     a, b, c = NS_COEFFICIENTS
     tall = u_XOF.shape[-2] > u_XOF.shape[-1]
     w_XQW = u_XOF.mT if tall else u_XOF
@@ -734,7 +694,7 @@ def newton_schulz(u_XOF: torch.Tensor) -> torch.Tensor:
 
 
 def deal(sizes: list[int], ranks: int) -> list[list[int]]:
-    """Which of `sizes` each rank takes: largest first, to the least loaded (lowest on ties): all within one item."""
+    """Which of `sizes` each rank takes: largest first, to the least loaded (lowest on ties)."""
     load = [0] * ranks
     owned = [[] for _ in range(ranks)]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
@@ -745,17 +705,15 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
 
 
 def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
-    """How Muon reaches whole matrices of `p` ([..., O, F]): None when this rank holds whole matrices (a plain tensor,
-    or a DTensor sharded only on stacking dims: the routed experts), else (mesh, mesh dim) whose ranks each hold a
-    block of rows (FSDP's Shard(0) of a 2-D weight). Raises ValueError for anything else."""
+    """How Muon reaches whole matrices of `p` ([..., O, F]): None when this rank holds them (a plain tensor, or a
+    DTensor sharded only on stacking dims: the routed experts), else the (mesh, mesh dim) whose ranks each hold a
+    block of rows (FSDP's Shard(0) of a 2-D weight). ValueError for anything else."""
     if p.dim() < 2:
-        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in a Muon group, but Muon updates matrices "
-                         f"(2-D, or stacks of them); put it in a group with muon=False (AdamW).")
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in a Muon group; put it in one with muon=False.")
     if not isinstance(p, DTensor):
         return None
     if any(pl.is_partial() for pl in p.placements):
-        raise ValueError(f"Muon needs reduced gradients, but a parameter of shape {tuple(p.shape)} has placements "
-                         f"{p.placements}.")
+        raise ValueError(f"Muon needs reduced gradients, not placements {p.placements} ({tuple(p.shape)}).")
     # _StridedShard (FSDP over an already EP-sharded dim) is not a Shard subclass on every torch; both have .dim.
     # A mesh dim of one rank splits nothing.
     sharded = [(mesh_dim, pl.dim) for mesh_dim, pl in enumerate(p.placements)
@@ -765,32 +723,29 @@ def muon_layout(p: torch.Tensor) -> tuple[DeviceMesh, int] | None:
         return None
     if p.dim() == 2 and len(sharded) == 1 and in_matrix[0][1] == 0 and type(p.placements[in_matrix[0][0]]) is Shard:
         return p.device_mesh, in_matrix[0][0]
-    raise ValueError(f"Muon cannot orthogonalise a parameter of shape {tuple(p.shape)} with placements "
-                     f"{p.placements}: it needs whole matrices on each rank, or a 2-D weight row-sharded (Shard(0)) "
-                     f"over one mesh dim.")
+    raise ValueError(f"Muon needs whole matrices or Shard(0) rows over one mesh dim, not {p.placements} "
+                     f"({tuple(p.shape)}).")
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for the param groups marked muon=True, AdamW for the others: one step(), one state dict (momentum_buffer;
-    step, exp_avg, exp_avg_sq), each state tensor with its parameter's placements. torch.optim.Muon with
-    adjust_lr_fn="original", batched; on a matrix [O, F], with lr·lr_scale (lr_scale: Muon's peak on lr's schedule):
+    """Muon for param groups marked muon=True, AdamW for the others: one step(), one state dict, each state tensor
+    with its parameter's placements. torch.optim.Muon with adjust_lr_fn="original", batched; on a matrix [O, F], at
+    lr·lr_scale (lr_scale: Muon's peak on lr's schedule):
         buf <- momentum·buf + (1 - momentum)·g;   u = (1 - momentum)·g + momentum·buf (Nesterov) or buf
         p   <- p·(1 - lr·wd) - lr·√max(1, O/F)·newton_schulz(u)
-    Row-sharded matrices (FSDP's dense weights) are dealt to their shard group's ranks; whole ones (experts) stay."""
+    Row-sharded matrices (FSDP's dense weights) are dealt to their group's ranks; whole ones (experts) stay."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False,
-                 ns_dtype: torch.dtype | None = None):
+                 nesterov: bool = True, betas: tuple = (0.9, 0.95), eps: float = 1e-8, fused: bool = False):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=weight_decay, muon=True, momentum=momentum,
                         nesterov=nesterov, betas=tuple(betas), eps=eps, fused=fused)
         super().__init__(params, defaults)
-        self.ns_dtype = ns_dtype
         self.batch_elements = 2**27  # most elements in one stacked Newton-Schulz batch (its temporaries are ~4x)
         for p in (p for group in self.param_groups if group["muon"] for p in group["params"]):
             muon_layout(p)  # raises now, on every rank, rather than inside the first step's collectives
 
-    def _dtype(self, device: torch.device) -> torch.dtype:
-        return self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    def _dtype(self, device: torch.device) -> torch.dtype:  # Newton-Schulz's
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @staticmethod
     def _apply(p: torch.Tensor, o_XOF: torch.Tensor, group: dict):
@@ -821,7 +776,7 @@ class Muon(torch.optim.Optimizer):
             self._orthogonalise_sharded(items, mesh, mesh_dim)
 
     def _orthogonalise_local(self, items: list):
-        """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones (up to batch_elements)."""
+        """Whole matrices, no communication: one Newton-Schulz per batch of same-shaped ones."""
         by_shape: dict = {}  # (matrix shape, device) -> its batches, the last one being filled
         for p, u, group in items:
             u = u.reshape(-1, *u.shape[-2:])
@@ -836,7 +791,7 @@ class Muon(torch.optim.Optimizer):
                 self._apply(p, o, group)
 
     def _orthogonalise_sharded(self, items: list, mesh: DeviceMesh, mesh_dim: int):
-        """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, Newton-Schulz, out)."""
+        """Row-sharded matrices: each rank orthogonalises its share, a matrix a round (rows in, then out)."""
         group_pg = mesh.get_group(mesh_dim)
         S = mesh.size(mesh_dim)
         me = mesh.get_local_rank(mesh_dim)
@@ -886,14 +841,14 @@ MUON_MOMENTUM = 0.95  # Nesterov, as in Keller Jordan's Muon and torch.optim.Muo
 def build_optimizer(model, tc, fused: bool = True):
     """--optimizer=adamw: AdamW, weight decay on matrices only. --optimizer=muon: Muon at --muon_lr for the blocks'
     hidden matrices, AdamW at --lr for the embedding, head, norms and router (orthogonalising its rows, the experts'
-    score vectors, would couple them). `fused`: torch's one-pass AdamW kernel, on CPU too (256 experts a layer)."""
+    score vectors, would couple them). `fused`: torch's one-pass AdamW kernel, on CPU too."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     vectors = {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}
     if tc.optimizer == "adamw":
         matrices = {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}
         return torch.optim.AdamW([matrices, vectors], lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=fused)
     if tc.lr <= 0:
-        raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon: the Muon LR is set relative to it.")
+        raise ValueError(f"--lr={tc.lr} must be positive with --optimizer=muon (--muon_lr is relative to it).")
     hidden = {n for n, p in params if n.startswith("layers.") and p.dim() >= 2 and ".router." not in n}
     groups = [{"params": [p for n, p in params if n in hidden], "muon": True, "lr_scale": tc.muon_lr / tc.lr,
                "weight_decay": tc.weight_decay},
@@ -903,7 +858,7 @@ def build_optimizer(model, tc, fused: bool = True):
     return Muon(groups, lr=tc.lr, momentum=MUON_MOMENTUM, betas=(tc.beta1, tc.beta2), fused=fused)
 
 
-# Dense bf16 peaks in TFLOP/s, for MFU (other devices report n/a: add yours here). B300's gains are in FP4, not bf16.
+# Dense bf16 peaks in TFLOP/s, for MFU (other devices report n/a). B300's gains are in FP4, not bf16.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0, "A100": 312.0}
 
 

@@ -83,7 +83,8 @@ def test_matches_torch_muon():
     shapes = [(48, 24), (24, 48), (32, 32)]
     ours = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = parallel.Muon(ours, lr=2e-2, weight_decay=0.1, momentum=0.95, ns_dtype=torch.bfloat16)
+    opt = parallel.Muon(ours, lr=2e-2, weight_decay=0.1, momentum=0.95)
+    opt._dtype = lambda device: torch.bfloat16
     ref = torch.optim.Muon(theirs, lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="original")
     for _ in range(3):
         for p, q in zip(ours, theirs):

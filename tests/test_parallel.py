@@ -325,7 +325,7 @@ def test_context_parallel_data_ranks_and_refusals():
     (dict(world=8, dp_replicate=2, ep=2), 4, "global_batch=16 sequences is not divisible by world 8 x micro_batch 4"),
     # context parallelism: cp x the others must make the world; cp splits the kv heads; rows are world / cp
     (dict(world=8, cp=3), 1, r"world size 8 is not divisible by dp_replicate=1 x cp=3; choose cp from \[1, 2, 4, 8\]"),
-    (dict(world=8, cp=4), 1, r"cp=4 does not divide n_kv_heads=2: .* choose cp from \[1, 2\]"),
+    (dict(world=8, cp=4), 1, r"cp=4 does not divide n_kv_heads=2: choose cp from \[1, 2\]"),
     (dict(world=8, cp=2, ep=8), 1, r"ep=8 does not divide dp_shard=4 \(world 8 / dp_replicate 1 / cp 2\)"),
     (dict(world=8, cp=2), 8, "global_batch=16 sequences is not divisible by world 8 / cp 2 x micro_batch 8 = 32"),
     (dict(world=8, cp=2), 2, None),
@@ -434,7 +434,7 @@ def test_a_busy_cpu_is_named_with_the_thread_setting_that_helps(monkeypatch, cap
         for load, said in ((9.0, True), (1.0, False)):
             monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
             assert parallel.init_distributed() == (0, 1, torch.device("cpu"))
-            assert ("warning: the CPU is busy (load 9.0 on 2 threads), so torch's 2 threads may run many times slower "
-                    "than one; set OMP_NUM_THREADS=1 (README)\n" == capsys.readouterr().err) is said
+            assert ("warning: the CPU is busy (load 9.0 on 2 threads), so one thread may run faster; "
+                    "set OMP_NUM_THREADS=1\n" == capsys.readouterr().err) is said
     finally:
         torch.set_num_threads(threads)
