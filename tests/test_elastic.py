@@ -144,11 +144,15 @@ def test_a_live_job_with_this_hostname_and_a_pid_unknown_here_is_not_taken_over(
     lease = tmp_path / "lease.json"
     beating = threading.Event()
 
+    def write(n):
+        lease.write_text(json.dumps({"owner": "x", "host": socket.gethostname(), "pid": other.pid, "beat": n}))
+
     def beat():
         n = 0
         while not beating.wait(0.2):
             n += 1
-            lease.write_text(json.dumps({"owner": "x", "host": socket.gethostname(), "pid": other.pid, "beat": n}))
+            write(n)
+    write(0)  # the live job's lease exists before this one starts
     threading.Thread(target=beat, daemon=True).start()
     try:
         with pytest.raises(ValueError, match=f"is in use by another job \\(host {socket.gethostname()}, pid "

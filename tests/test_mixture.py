@@ -103,7 +103,8 @@ def test_a_changed_mixture_on_resume_is_refused_unless_allowed_and_is_recorded(c
                                                    f"--allow_changed=data to train on the new data from here on.")):
         train.main(*train.parse_args(args(changed, tmp_path, "--steps=4")))
     train.main(*train.parse_args(args(changed, tmp_path, "--steps=4", "--allow_changed=data")))
-    assert "a change written as a new phase, --data='OLD;STEP=NEW', keeps the steps before" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "data: read as if the new --data had held from step 0; --data='OLD;STEP=NEW' keeps the steps before" in said
     logged = metrics(tmp_path)  # phase ";3=" shapes step 3 counted from 0: the 4th step, logged as step 4
     assert (logged[2]["step"], logged[2]["data_step"], set(logged[2]["tokens_by_source"])) == (3, 2, {str(copy),
                                                                                                       csv_dir})
