@@ -29,6 +29,16 @@ TINY_MODEL_FLAGS = ["--dim=64", "--n_heads=4", "--n_kv_heads=2", "--head_dim=16"
                     "--n_experts=16", "--top_k=4", "--expert_hidden=16", "--window=16"]
 
 
+# The suite runs on two workers (pytest -n 2 --dist loadfile), each file on one, so a file's module-scoped runs start
+# once: the longest files start first, so that both workers finish at about the same time.
+LONGEST_FIRST = ("test_resume", "test_elastic", "test_parallel", "test_data", "test_health", "test_muon")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(Path(str(item.fspath)).stem, len(order)))  # stable: a file keeps its order
+
+
 def ranks_device(config, nproc: int) -> torch.device:
     """Where a multi-rank test's ranks run: gloo on CPU, or with --nccl one GPU each (skipped without nproc GPUs)."""
     if not config.getoption("--nccl"):
