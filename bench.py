@@ -561,6 +561,21 @@ def init_(module: nn.Module, std: float) -> nn.Module:
     return module
 
 
+def say_ratios(result: dict, world: int):
+    """The grouped MoE layer's time against the dense layer's at the same FLOPs; the loop's and EP's, where timed."""
+    dense_ms_per_active = result["dense_ms"] * result["active_hidden"] / result["dense_hidden"]
+    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
+    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
+    if "loop_ms" in result:
+        result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
+        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
+            f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
+    if "ep_ms" in result:
+        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
+        say(f"expert parallel over {world} ranks / local: {result['ep_overhead']:.2f}x; outputs agree to "
+            f"{result['ep_vs_local_max_diff']:.1e}")
+
+
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     cfg = model_config(tc, overrides)
@@ -627,17 +642,7 @@ def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     times = alternate({name: variant(name) for name in layers}, device, args.warmup, args.iters)
     flops = 6 * N * cfg.dim * 3 * active_hidden  # forward and backward of the active matmuls
     record_times(result, times, {"grouped": flops, "loop": flops, "dense": flops * dense_hidden / active_hidden})
-    dense_ms_per_active = result["dense_ms"] * active_hidden / dense_hidden  # the dense time at the MoE's FLOPs
-    result["moe_to_dense"] = result["grouped_ms"] / dense_ms_per_active
-    say(f"MoE (grouped) / dense: {result['moe_to_dense']:.2f}x, the cost of sparsity at these shapes")
-    if "loop" in times:
-        result["loop_to_dense"] = result["loop_ms"] / dense_ms_per_active
-        say(f"per-expert loop / dense: {result['loop_to_dense']:.2f}x; grouped == loop to "
-            f"{result['grouped_vs_loop_max_diff']:.1e} (relative)")
-    if "ep" in times:
-        result["ep_overhead"] = result["ep_ms"] / result["grouped_ms"]
-        say(f"expert parallel over {world} ranks / local: {result['ep_overhead']:.2f}x; outputs agree to "
-            f"{result['ep_vs_local_max_diff']:.1e}")
+    say_ratios(result, world)
     if args.breakdown:
         runs = [profile(variant("grouped"), device, moe_targets(moe)) for _ in range(max(1, args.iters // 2))]
         table, kernels, wall, _ = median_profile(runs)
