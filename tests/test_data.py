@@ -6,10 +6,14 @@ of sources in phases, and Megatron-LM datasets written by Megatron-LM's own writ
     python -m pytest tests/test_data.py -q
 """
 
+import codecs
+import contextlib
+import io
 import json
 import os
 import random
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -25,6 +29,28 @@ import data
 from data import DataError, DataLoader, Mixture, load_manifest, permute, prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python data.py ARGS` run as __main__ in this process (torch is imported already, so no interpreter to start):
+    its exit code, stdout and stderr. An exception that data.py's main block lets out fails the calling test."""
+    # Run again as __main__, data.py sets its own excepthook and registers its "count" codec error handler anew (one
+    # counting into the copy's REPLACED): both are given back to the imported data module's.
+    argv, excepthook, count = sys.argv, sys.excepthook, codecs.lookup_error("count")
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    sys.argv = [os.path.join(REPO, "data.py"), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        sys.argv, sys.excepthook = argv, excepthook
+        codecs.register_error("count", count)
+    return subprocess.CompletedProcess(["data.py", *args], code, out.getvalue(), err.getvalue())
+
+
 ENC = data.get_encoding("cl100k_base")
 WORDS = ["the", "model", "expert", "router", "token", "def", "return", "x = 1", "über", "naïve", "数据", "🙂",
          "\n", "\n\n", "    ", "(", ")", "<|endoftext|>", "0.5", "Trinity"]
@@ -209,8 +235,7 @@ def test_another_preparation_in_out_dir_is_kept_unless_overwrite(tmp_path):
                                             rf"or another --out_dir$"):
             prepare([str(tmp_path / "b")], str(out), shard=shard, workers=1, quiet=True)
         assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
-    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "b"), f"--out_dir={out}"],
-                       capture_output=True, text=True)
+    r = data_cli(str(tmp_path / "b"), f"--out_dir={out}")
     assert r.returncode == 2 and "holds another preparation" in r.stderr and r.stderr.count("\n") == 1
     assert prepare([str(tmp_path / "a")], str(out), workers=1, quiet=True) == first  # the same one: up to date
     second = prepare([str(tmp_path / "b")], str(out), workers=1, quiet=True, overwrite=True)
@@ -273,8 +298,7 @@ def same_files(a, b):
 
 
 def merge_cli(out_dir):
-    return subprocess.run([sys.executable, os.path.join(REPO, "data.py"), "merge", str(out_dir)], capture_output=True,
-                          text=True)
+    return data_cli("merge", str(out_dir))
 
 
 def write_jsonl(path, n_docs, seed=0, long_doc=None):
@@ -524,8 +548,7 @@ def test_cli_refuses_an_out_dir_it_cannot_write_before_tokenising(tmp_path, wher
     (tmp_path / "file").write_text("not a directory")
     (tmp_path / "read_only").mkdir(mode=0o555)
     out = {"under_a_file": tmp_path / "file" / "out", "read_only": tmp_path / "read_only"}[where]
-    r = subprocess.run([sys.executable, os.path.join(REPO, "data.py"), str(tmp_path / "corpus"), "--out_dir", str(out)],
-                       capture_output=True, text=True)
+    r = data_cli(str(tmp_path / "corpus"), "--out_dir", str(out))
     assert r.returncode == 2 and r.stderr.startswith(f"error: cannot write into out_dir '{out}' (")
     assert r.stderr.endswith("; pass one you can write to\n") and r.stderr.count("\n") == 1
     assert os.listdir(tmp_path / "read_only") == []
@@ -556,10 +579,9 @@ def test_default_corpus_is_the_stdlib_without_test_suites():
     assert 2e6 < sum(os.path.getsize(f) for f in files) < 30e6
 
 
-def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path):
-    def run(*args):
-        return subprocess.run([sys.executable, os.path.join(REPO, "data.py"), *args], cwd=tmp_path,
-                              capture_output=True, text=True)
+def test_cli_names_the_closest_flag_and_prints_errors_without_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = data_cli
     typo = run("--shufle_docs")
     assert typo.returncode == 2 and "did you mean --shuffle_docs?" in typo.stderr
     missing = run("nothing.txt", "--out_dir", str(tmp_path / "out"))

@@ -22,6 +22,7 @@ from safetensors import safe_open
 import checkpoint
 import data
 import parallel
+import train
 from checkpoint import export_hf, hf_config, load_hf_into, save, to_hf_state_dict
 from conftest import run_worker, torchrun
 from model import ModelConfig, Transformer
@@ -97,8 +98,9 @@ def test_a_save_pretrained_folder_loads_with_transformers_logits(tmp_path):
             assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
 
 
-def ep_worker(hf_dir: str, out_dir: str):
-    """2 gloo ranks, experts split over both (--ep=2): load the folder, write the logits and the bytes each read."""
+def ep_worker(hf_dir: str, out_dir: str, *train_flags: str):
+    """2 gloo ranks, experts split over both (--ep=2): load the folder, write the logits and the bytes each read; then
+    train.py's main with TRAIN_FLAGS on the same ranks (one launch, not two: keeps the test fast on 2 cores)."""
     dist.init_process_group("gloo")
     layout = parallel.Layout(dist.get_world_size(), ep=dist.get_world_size())
     mesh = parallel.build_mesh(layout, "cpu")
@@ -109,6 +111,8 @@ def ep_worker(hf_dir: str, out_dir: str):
         logits = model.eval()(torch.load(os.path.join(out_dir, "tokens.pt")))
     torch.save({"logits": logits, "read": read, "local_experts": experts.to_local().shape[0]},
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+    train.main(*train.parse_args(list(train_flags)))
 
 
 def test_two_expert_parallel_ranks_load_their_own_experts_and_train(corpus_dir, tmp_path):
@@ -119,7 +123,12 @@ def test_two_expert_parallel_ranks_load_their_own_experts_and_train(corpus_dir, 
     hf = published(cfg, tmp_path / "hf", max_shard_size=SHARD_BYTES)
     tokens = torch.randint(0, 100277, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
-    torchrun(2, __file__, "ep", str(tmp_path / "hf"), str(tmp_path), timeout_s=120)
+    # then train.py from the folder, on the same ranks: its first loss, before any update, is transformers' on the same
+    # batch (no document mask, so both see the same attention), then it trains.
+    flags = [f"--data={corpus_dir}", f"--out_dir={tmp_path / 'run'}", "--seq_len=32", "--global_batch=4",
+             "--micro_batch=2", "--doc_mask=false", "--steps=3", "--log_every=1", "--eval_every=0",
+             "--eval_batches=1", "--sample_tokens=0", f"--init_from_hf={tmp_path / 'hf'}", "--ep=2"]
+    output = torchrun(2, __file__, "ep", str(tmp_path / "hf"), str(tmp_path), *flags, timeout_s=180)
     with torch.no_grad():
         expected = hf(tokens).logits
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
@@ -133,12 +142,6 @@ def test_two_expert_parallel_ranks_load_their_own_experts_and_train(corpus_dir, 
     assert ranks[0]["read"] + ranks[1]["read"] == total + bias
     print(f"bytes read: rank 0 {ranks[0]['read']:,}, rank 1 {ranks[1]['read']:,} of {total:,} in the folder")
 
-    # train.py from the folder: its first loss, before any update, is transformers' on the same batch (no document
-    # mask, so both see the same attention), then it trains.
-    flags = [f"--data={corpus_dir}", f"--out_dir={tmp_path / 'run'}", "--seq_len=32", "--global_batch=4",
-             "--micro_batch=2", "--doc_mask=false", "--steps=3", "--log_every=1", "--eval_every=0",
-             "--eval_batches=1", "--sample_tokens=0", f"--init_from_hf={tmp_path / 'hf'}", "--ep=2"]
-    output = torchrun(2, "train.py", *flags, timeout_s=120)
     assert f"initialised from {tmp_path / 'hf'}" in output
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
