@@ -539,7 +539,7 @@ def test_initial_loss_near_ln_vocab_and_overfits_one_batch():
     loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(150):
+    for _ in range(60):  # the loss is below 0.3 by step 30 and about 0.03 at step 60
         loss, stats = model(tokens[:, :-1], targets_BT=tokens[:, 1:], return_stats=True)
         loss = loss + stats.balance_loss
         opt.zero_grad()
