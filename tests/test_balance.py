@@ -72,7 +72,7 @@ def test_aux_loss_matches_brute_force_and_reaches_the_router():
 def run_drill(corpus_dir, out_dir, rule, *flags):
     tc, overrides = train.parse_args([
         f"--data={corpus_dir}", f"--out_dir={out_dir}", "--seq_len=32", "--global_batch=8", "--micro_batch=8",
-        "--steps=25", "--log_every=1", "--eval_every=0", "--eval_batches=1", "--sample_tokens=0", "--lr=1e-3",
+        "--steps=30", "--log_every=1", "--eval_every=0", "--eval_batches=1", "--sample_tokens=0", "--lr=1e-3",
         f"--balance={rule}", "--bias_step=1e-2", "--drill=skew@0.1",
         *TINY_MODEL_FLAGS, "--n_experts=64", *flags])
     train.main(tc, overrides)
