@@ -210,7 +210,8 @@ def profile(fn, device: torch.device, targets) -> tuple[dict, dict, float, dict]
                 return label, "total" if label in STEP_LABELS else "fwd"
             if e.name.startswith("Optimizer."):
                 return "optimizer", "total"
-            if any(m in e.name.lower().replace("_", "") for m in COMM_MARKERS):
+            name = e.name.lower().replace("_", "")
+            if any(m in name for m in COMM_MARKERS):
                 return "communication", "total"
             if e.name.startswith(BACKWARD):
                 return None, e
@@ -579,7 +580,9 @@ def say_ratios(result: dict, world: int):
 def bench_moe(args, tc: train.TrainConfig, overrides: dict) -> dict:
     rank, world, device = parallel.init_distributed()
     cfg = model_config(tc, overrides)
-    run = train.make_run(dataclasses.replace(tc, dp_replicate=1, ep=1), cfg, rank, world, device)  # for its dtype
+    # For its dtype and device; the layer's own batch flags are --tokens and --seq_len.
+    one_row_each = dataclasses.replace(tc, dp_replicate=1, ep=1, cp=1, global_batch=world, micro_batch=1)
+    run = train.make_run(one_row_each, cfg, rank, world, device)
     N = args.tokens
     T = min(tc.seq_len, N)
     if N % T:

@@ -298,7 +298,8 @@ def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a step_N directory or their folder.")
+        raise FileNotFoundError(f"checkpoint path {path} does not exist; give a step_N directory or the folder "
+                                f"holding them.")
     if _STEP_RE.fullmatch(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, ".metadata")):
         newest = latest(os.path.dirname(os.path.normpath(path)))
         raise ValueError(f"checkpoint {path} is incomplete (its save was cut short); use {newest or 'a complete one'} "

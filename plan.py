@@ -526,7 +526,7 @@ def print_plan(r: dict, tc: train.TrainConfig, p: dict, t: dict, links: Links, l
     for k, v in r["memory_gib"].items():
         print(f"  {k:48s} {v:9.2f} GiB")
     print(f"  {'total':48s} {r['memory_gib_per_gpu']:9.2f} GiB of {FIT_FRACTION * GPUS[r['gpu']][1]:.0f} usable; "
-          + ", ".join(f"{k} {v:.1f}" for k, v in r["activations_gib_by_ac"].items()) + " with another --ac")
+          + "activations by --ac: " + ", ".join(f"{k} {v:.1f}" for k, v in r["activations_gib_by_ac"].items()) + " GiB")
     spans = ", ".join(f"{name} {k} x {m}" for name, (k, m) in p["groups"].items())
     print(f"links: NVLink {links.intra / 1e9:g} GB/s x {links.per_node}, network {links.inter / 1e9:g} GB/s, "
           f"{links.latency * 1e6:g} us a step; groups (ranks per node x nodes): {spans}")
@@ -583,7 +583,8 @@ def plan_run(args, tc: train.TrainConfig, overrides: dict) -> dict:
         train.model_config(tc, overrides, PRESETS[tc.preset].vocab_size)
     result = {"command": "plan", "preset": tc.preset, "gpu": args.gpu, "gpus": args.gpus, "seq": tc.seq_len,
               **{k: getattr(tc, k) for k in ("global_batch", "steps", "optimizer", "keep_gathered", *LAYOUT_FLAGS)},
-              "links": dataclasses.asdict(links), "compute_tflops": tflops}
+              "gpus_per_node": links.per_node, "nvlink_gb_s": links.intra / 1e9, "network_gb_s": links.inter / 1e9,
+              "latency_us": links.latency * 1e6, "hbm_gb_s": links.hbm / 1e9, "compute_tflops": tflops}
     try:
         p = estimate(cfg, tc, args.gpus, links)
     except ValueError as e:

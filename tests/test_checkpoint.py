@@ -728,7 +728,7 @@ def test_cli(tmp_path, capsys):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not exist; give a step_N directory or "
-        f"their folder."]
+        f"the folder holding them."]
     for args, says in [(["export", str(tmp_path / "ckpt" / "step_00000004.tmp"), str(tmp_path / "o")], "incomplete"),
                        (["ls", str(tmp_path / "nowhere")], "does not exist")]:
         assert checkpoint.main(args) == 2

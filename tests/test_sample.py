@@ -287,7 +287,7 @@ def test_cli_bad_input_is_one_sentence(saved, capsys, flags, message):
 def test_cli_names_a_missing_checkpoint(capsys, tmp_path):
     code, _, err = sample_cli(capsys, str(tmp_path / "nowhere"), "--prompt=x")
     assert code == 2 and err.strip() == (f"checkpoint.py: error: checkpoint path {tmp_path / 'nowhere'} does not "
-                                         f"exist; give a step_N directory or their folder.")
+                                         f"exist; give a step_N directory or the folder holding them.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
